@@ -1,0 +1,72 @@
+"""The contract between the scheduler and the model runner. Data flows one way:
+
+    Scheduler.schedule() ──SchedulerOutput──▶ ModelRunner.execute() ──RunnerOutput──▶ Scheduler.update()
+
+The runner only reads a SchedulerOutput; it never touches Request objects. Everything it needs
+to build device inputs is here, so a step can be replayed or tested in isolation.
+
+Block layout of one scheduled sequence (block_size 4, 10 tokens computed, 3 new):
+
+    positions   0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 ..
+    block_ids   [  7    ,   2     ,    9      ]
+                 cached    cached   9,10 computed; 10,11,12 are this step's new tokens
+                                    (12 lands in a fourth block once allocated)
+    slot of position p = block_ids[p // block_size] * block_size + p % block_size
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    request_id: str
+    token_ids: list[int]  # the new tokens whose KV this step computes
+    start_position: int  # position of token_ids[0] == tokens already in the cache
+    block_ids: list[int]  # the request's whole block table, covering start + len(token_ids)
+    sample: bool  # this chunk reaches the end of the sequence: sample the next token
+    params: SamplingParams
+    output_token_ids: tuple[int, ...] = ()  # generated so far (penalties); set only if needed
+    prompt_token_ids: tuple[int, ...] = ()  # the prompt (repetition penalty); set only if needed
+    num_output_tokens: int = 0  # tokens generated so far (seeded sampling, min_tokens)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step: cached tokens plus new tokens."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The sampled token's logprob and the top-k alternatives (raw model logprobs)."""
+    token_logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """One entry per ScheduledSequence with sample=True, in the same order."""
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]

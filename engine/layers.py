@@ -1,0 +1,39 @@
+"""The model's elementwise building blocks, as a swappable set of functions.
+
+`TORCH_OPS` is the plain-PyTorch reference; `kernels.TRITON_OPS` provides fused Triton versions
+with the same signatures. The model receives one `Ops` at construction (no global switch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+               eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (LayerNorm(x + residual), x + residual)."""
+    summed = x + residual
+    return layer_norm(summed, weight, bias, eps), summed
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (as GPT-2 uses) of x + bias."""
+    return F.gelu(x + bias, approximate="tanh")
+
+
+@dataclass(frozen=True)
+class Ops:
+    layer_norm: Callable[..., torch.Tensor]
+    add_layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    bias_gelu: Callable[..., torch.Tensor]
+
+
+TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, bias_gelu=bias_gelu)

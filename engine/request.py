@@ -1,0 +1,157 @@
+"""Requests and their sampling parameters. Pure Python: the scheduler owns these objects.
+
+A request's tokens are `prompt_token_ids + output_token_ids`. The engine tracks how many of
+them already have KV in the cache (`num_computed_tokens`). Every kind of progress is a change
+of that one number:
+
+    prefill chunk     num_computed += chunk
+    prefix-cache hit  num_computed  = hit tokens (at admission)
+    decode            num_computed += 1 (the token sampled last step)
+    preemption        num_computed  = 0 (recompute prompt + generated tokens later)
+"""
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+EOS_TOKEN_ID = 50256
+MAX_LOGPROBS = 20
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate. Field names and defaults follow vLLM's SamplingParams."""
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-k logprobs per generated token, up to 20
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        need(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+             "must be an integer >= 1")
+        need(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+             "must be a finite number >= 0")
+        need(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(is_int(self.top_k) and self.top_k >= -1, "top_k", "must be -1 (off) or >= 0")
+        need(math.isfinite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            need(math.isfinite(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name,
+                 "must be in [-2, 2]")
+        need(math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+             "repetition_penalty", "must be in (0, 2]")
+        need(is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens",
+             "must be an integer >= 0")
+        need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs
+             <= MAX_LOGPROBS), "logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop",
+             "must hold non-empty strings")
+        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must hold token ids >= 0")
+        need(all(is_int(t) and math.isfinite(b) for t, b in self.logit_bias), "logit_bias",
+             "must map token ids to finite numbers")
+        if self.seed is not None:
+            need(is_int(self.seed), "seed", "must be an integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class Request:
+    """One sequence being generated. Owned and mutated by the scheduler only."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at the last admission
+    num_preemptions: int = 0
+    # timestamps (time.monotonic seconds)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_at(self, position: int) -> int:
+        n_prompt = len(self.prompt_token_ids)
+        if position < n_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - n_prompt]
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None
