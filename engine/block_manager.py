@@ -1,0 +1,184 @@
+"""Paged KV-cache bookkeeping: blocks, ref counts, an LRU free queue and a prefix cache.
+
+Pure Python (no torch): it decides which physical block holds which tokens; the model runner
+only reads the resulting block tables.
+
+    request A  prompt "The cat sat on the mat and then"  (block_size 4)
+    block table [ 3 | 8 | 5 ]        3, 8 full -> hashed and shareable; 5 partial -> private
+    request B  prompt "The cat sat on the mat, but"
+    block table [ 3 | 11 | ...]      hit on block 3 (ref count 2), miss on the second block
+
+Every full block is keyed by a hash chain: key(i) = sha256(key(i-1) || tokens of block i),
+so a key names the whole prefix up to and including the block, never just its tokens.
+Freed blocks keep their key and stay reusable until a new allocation evicts them, oldest
+first (blocks at the tail of a sequence are freed first, so they are evicted first).
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+BlockKey = bytes
+_ROOT_KEY: BlockKey = b""
+
+
+def block_key(parent: BlockKey, token_ids: list[int]) -> BlockKey:
+    """sha256 over the parent key and the block's tokens: collisions would serve wrong KV."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    key: BlockKey | None = None  # set once the block is full and registered in the cache
+
+
+@dataclass
+class _RequestBlocks:
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[BlockKey] = field(default_factory=list)  # keys of the leading full blocks
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got "
+                             f"{num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockKey, int] = {}
+        self._requests: dict[str, _RequestBlocks] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens served from cached blocks
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._requests[request_id].block_ids
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -------------------------------------------------------------- admission
+    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Blocks already holding a prefix of token_ids. At least one token is always left to
+        compute, since its logits are needed to sample."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        key = _ROOT_KEY
+        max_full = (len(token_ids) - 1) // self.block_size
+        for i in range(max_full):
+            key = block_key(key, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block_id = self._cached.get(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def admit(self, request_id: str, token_ids: list[int], cached: list[int],
+              num_new_tokens: int) -> bool:
+        """Take the cached prefix blocks plus fresh blocks for num_new_tokens beyond them.
+        Returns False, changing nothing, when the free pool is too small."""
+        assert request_id not in self._requests, f"{request_id} already holds blocks"
+        num_tokens = len(cached) * self.block_size + num_new_tokens
+        # a cached block with no owner sits in the free queue: taking it uses up a free block
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        fresh = self.blocks_needed(num_tokens) - len(cached)
+        if fresh + revived > self.num_free_blocks:
+            return False
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += len(cached) * self.block_size
+        entry = _RequestBlocks()
+        self._requests[request_id] = entry
+        for block_id in cached:
+            self._take(block_id)
+            entry.block_ids.append(block_id)
+            entry.keys.append(self.blocks[block_id].key)  # type: ignore[arg-type]
+        entry.block_ids.extend(self._pop_free() for _ in range(fresh))
+        return True
+
+    def grow(self, request_id: str, num_tokens: int) -> bool:
+        """Make the request's table cover num_tokens. False, changing nothing, if out of blocks."""
+        entry = self._requests[request_id]
+        fresh = self.blocks_needed(num_tokens) - len(entry.block_ids)
+        if fresh > self.num_free_blocks:
+            return False
+        entry.block_ids.extend(self._pop_free() for _ in range(max(fresh, 0)))
+        return True
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Register every block whose tokens are all computed, so later requests can share it."""
+        if not self.enable_prefix_caching:
+            return
+        entry = self._requests[request_id]
+        for i in range(len(entry.keys), num_computed // self.block_size):
+            parent = entry.keys[-1] if entry.keys else _ROOT_KEY
+            key = block_key(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            entry.keys.append(key)
+            block = self.blocks[entry.block_ids[i]]
+            if key not in self._cached:  # an identical block may exist: keep the first
+                block.key = key
+                self._cached[key] = block.block_id
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first, so its tail is evicted before its head."""
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        for block_id in reversed(entry.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached keys (e.g. after weights change)."""
+        for block in self.blocks:
+            block.key = None
+        self._cached.clear()
+
+    # --------------------------------------------------------------- internals
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.key is not None:  # evict: its KV is about to be overwritten
+            del self._cached[block.key]
+            block.key = None
+        block.ref_count = 1
+        return block_id
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent; cheap enough to call after every step in tests."""
+        refs = [0] * self.num_blocks
+        for entry in self._requests.values():
+            for block_id in entry.block_ids:
+                refs[block_id] += 1
+        used = sum(1 for r in refs if r > 0)
+        assert used + len(self._free) == self.num_blocks, "free + used != total"
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], f"ref count of {block}"
+            assert (block.ref_count == 0) == (block.block_id in self._free), f"free list {block}"
+        for key, block_id in self._cached.items():
+            assert self.blocks[block_id].key == key, "cache map disagrees with block key"
+        assert sum(b.key is not None for b in self.blocks) == len(self._cached)

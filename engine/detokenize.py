@@ -1,0 +1,45 @@
+"""Per-choice text state: incremental detokenization plus stop-string matching.
+
+Text that could be the start of a stop string is held back until it is known not to be one,
+so a stream never emits text it would have to take back:
+
+    stop = ["###"]      tokens "ab", "c#", "#", "#x"
+    emitted             "ab", "c",  "",  (stop found: "###" dropped, finished)
+"""
+from __future__ import annotations
+
+from engine.request import EOS_TOKEN_ID
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._pending = ""
+        self.text = ""  # everything emitted so far
+        self.stopped_by: str | None = None
+
+    def add(self, token_id: int, final: bool) -> str:
+        """Feed one token (special tokens add no text); returns the text now safe to emit.
+        After a stop string is found, everything further is dropped."""
+        if self.stopped_by is not None:
+            return ""
+        piece = "" if token_id == EOS_TOKEN_ID else self._detokenizer.add(token_id)
+        if final:
+            piece += self._detokenizer.flush()
+        return self._emit(self._pending + piece, final)
+
+    def _emit(self, buffer: str, final: bool) -> str:
+        hit = min(((buffer.find(s), s) for s in self._stop if s in buffer), default=None)
+        if hit is not None:
+            index, self.stopped_by = hit
+            out, self._pending = buffer[:index], ""
+        elif final or self._holdback == 0:
+            out, self._pending = buffer, ""
+        else:
+            cut = max(len(buffer) - self._holdback, 0)
+            out, self._pending = buffer[:cut], buffer[cut:]
+        self.text += out
+        return out

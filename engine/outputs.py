@@ -1,0 +1,64 @@
+"""What the engine hands to its users (the offline LLM and the HTTP server)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.batch import TokenLogprobs
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps in time.monotonic() seconds, recorded inside the engine."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n choices. `text`/`token_ids` are cumulative; `delta_*` are what this step
+    added (what a stream sends). Text withheld because it may begin a stop string is released
+    later or dropped if the stop string completes."""
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # all n choices, by index
+    metrics: list[RequestMetrics]  # one per choice
+    error: str | None = None  # set when the request failed inside the engine
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+    # single-choice conveniences
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

