@@ -1,0 +1,189 @@
+"""Runs one scheduled step: SchedulerOutput ─▶ device inputs ─▶ forward ─▶ logits ─▶ sample.
+
+Owns the model, the paged KV cache and the sampler. Reads the SchedulerOutput only; inputs are
+built on the host with numpy and copied to the device once per tensor, and the sampled tokens
+come back with one host sync per step.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, get_attention_backend
+from engine.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.config import EngineConfig
+from engine.layers import TORCH_OPS, Ops
+from engine.models.gpt2 import load_gpt2
+from engine.request import SamplingParams
+from engine.sampler import Sampler
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda":
+        raise ValueError("attention_backend='triton' needs device='cuda'")
+    return name
+
+
+def ops_for(backend: str) -> Ops:
+    """Fused Triton ops go with the Triton backend; imported lazily so CPU runs need no Triton."""
+    if backend == "triton":
+        from kernels import TRITON_OPS
+
+        return TRITON_OPS
+    return TORCH_OPS
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [num sample=True seqs] int64: each one's last token row
+
+
+def prepare_inputs(seqs: list[ScheduledSequence], block_size: int, max_blocks_per_seq: int,
+                   device: torch.device) -> StepInputs:
+    """Varlen inputs of one step, computed with numpy over the whole batch at once."""
+    new_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
+    starts = np.array([s.start_position for s in seqs], dtype=np.int64)
+    query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(new_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    seq_of_token = np.repeat(np.arange(len(seqs)), new_lens)
+    positions = starts[seq_of_token] + np.arange(num_tokens) - query_start_loc[seq_of_token]
+    block_tables = np.zeros((len(seqs), max_blocks_per_seq), dtype=np.int32)
+    for row, s in enumerate(seqs):
+        block_tables[row, :len(s.block_ids)] = s.block_ids
+    block_of_token = block_tables[seq_of_token, positions // block_size].astype(np.int64)
+    slot_mapping = block_of_token * block_size + positions % block_size
+    input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs),
+                            dtype=np.int64, count=num_tokens)
+    seq_lens = starts + new_lens
+    sample_indices = (query_start_loc[1:] - 1)[[s.sample for s in seqs]]
+
+    def on_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(array).to(device=device, dtype=dtype)
+
+    meta = AttentionMetadata(
+        slot_mapping=on_device(slot_mapping, torch.int64),
+        block_tables=on_device(block_tables, torch.int32),
+        seq_lens=on_device(seq_lens, torch.int32),
+        query_start_loc=on_device(query_start_loc, torch.int32),
+        max_query_len=int(new_lens.max()), max_seq_len=int(seq_lens.max()),
+        query_start_loc_host=query_start_loc.tolist(), seq_lens_host=seq_lens.tolist())
+    return StepInputs(on_device(input_ids, torch.int64), on_device(positions, torch.int64), meta,
+                      on_device(sample_indices, torch.int64))
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
+        self.model = load_gpt2(config.model.model, self.dtype, self.device,
+                               ops_for(self.attention_backend),
+                               get_attention_backend(self.attention_backend))
+        self.sampler = Sampler(self.device, config.model.seed)
+        self.block_size = config.cache.block_size
+        self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
+        self.num_kv_blocks = config.cache.num_kv_blocks or self._num_blocks_that_fit()
+        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """K and V of one block across all layers."""
+        cfg = self.model.config
+        per_layer = self.block_size * cfg.n_head * cfg.head_dim * self.dtype.itemsize
+        return 2 * cfg.n_layer * per_layer
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed, so never-written slots hold finite values for kernels that load whole blocks."""
+        cfg = self.model.config
+        shape = (num_blocks, self.block_size, cfg.n_head, cfg.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(cfg.n_layer)]
+
+    def _num_blocks_that_fit(self) -> int:
+        if self.device.type == "cuda":
+            budget = self._profile_free_cuda_bytes()
+        else:
+            budget = self.config.cache.cpu_kv_cache_bytes
+        num_blocks = budget // self.kv_block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache: {budget} bytes available, one "
+                             f"block needs {self.kv_block_bytes}")
+        return num_blocks
+
+    def _profile_free_cuda_bytes(self) -> int:
+        """gpu_memory_utilization of the GPU, less what other processes and the CUDA context
+        hold and the peak of a worst-case step (weights + activations + sampling)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        held_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+        return int(total * self.config.cache.gpu_memory_utilization) - held_elsewhere - peak
+
+    def _profile_run(self) -> None:
+        """One step with the full token budget over as many sequences as may run at once, each
+        sampling with the sort-based filters, on a throwaway cache just big enough."""
+        sched = self.config.scheduler
+        num_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+        lens = [min(sched.max_model_len, len(chunk))
+                for chunk in np.array_split(np.arange(sched.max_num_batched_tokens), num_seqs)]
+        params = SamplingParams(top_k=50, top_p=0.9)
+        seqs, next_block = [], 0
+        for i, n in enumerate(lens):
+            num_blocks = -(-n // self.block_size)
+            block_ids = list(range(next_block, next_block + num_blocks))
+            seqs.append(ScheduledSequence(f"profile-{i}", [0] * n, 0, block_ids, True, params))
+            next_block += num_blocks
+        self.kv_caches = self._allocate_kv_cache(next_block)
+        self.execute(SchedulerOutput(seqs))
+        del self.kv_caches
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Forward the scheduled tokens, writing their KV, and sample for sample=True sequences."""
+        to_sample = [s for s in out.sequences if s.sample]
+        logits = self.compute_logits(out)
+        if not to_sample:
+            return RunnerOutput([], [], [])
+        token_ids, logprobs = self.sampler(logits, to_sample).to_lists()
+        return RunnerOutput([s.request_id for s in to_sample], token_ids, logprobs)
+
+    @torch.inference_mode()
+    def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run the forward (writing KV) and return float32 logits [num sample=True seqs, vocab]
+        at each sampling sequence's last token. Exposed for tests and scoring."""
+        if out.is_empty:
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+        step = prepare_inputs(out.sequences, self.block_size, self.max_blocks_per_seq,
+                              self.device)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        return self.model.compute_logits(hidden[step.sample_indices])

@@ -1,0 +1,209 @@
+"""GPT-2 as one flat module over a paged KV cache (gpt-fast style: no HF classes at run time).
+
+Residual stream with fused add + LayerNorm. Every norm is one `ops.add_layer_norm` call that
+adds the residual branch and normalises in one pass; the token embedding enters as the first
+"branch" and the position embedding as the first residual, so layer 0 needs no special case:
+
+    hidden, residual = wte[ids], wpe[pos]
+    per layer:  x, residual = add_ln_1(hidden, residual); hidden = attn(x)
+                x, residual = add_ln_2(hidden, residual); hidden = mlp(x)
+    out, _ = add_ln_f(hidden, residual)
+
+Weights use F.linear's [out, in] layout (HF's Conv1D stores [in, out]; the loader transposes).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.layers import Ops
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")
+CAUSAL_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # old HF checkpoints save these
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int
+    n_positions: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_inner: int
+    layer_norm_epsilon: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_json(cls, path: Path) -> GPT2Config:
+        raw = json.loads(path.read_text())
+        if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("reorder_and_upcast_attn"):
+            raise ValueError(f"{path}: scale_attn_by_inverse_layer_idx and "
+                             "reorder_and_upcast_attn are not supported")
+        return cls(vocab_size=raw["vocab_size"], n_positions=raw["n_positions"],
+                   n_embd=raw["n_embd"], n_layer=raw["n_layer"], n_head=raw["n_head"],
+                   n_inner=raw.get("n_inner") or 4 * raw["n_embd"],
+                   layer_norm_epsilon=raw.get("layer_norm_epsilon", 1e-5))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPT2Config, backend: AttentionBackend):
+        super().__init__()
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.backend = backend
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens, n_embd = x.shape
+        qkv = self.c_attn(x)
+        q, k, v = (t.view(num_tokens, self.n_head, self.head_dim)
+                   for t in qkv.split(n_embd, dim=-1))
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, scale=self.scale)
+        return self.c_proj(out.reshape(num_tokens, n_embd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPT2Config, ops: Ops):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.n_inner)
+        self.c_proj = nn.Linear(cfg.n_inner, cfg.n_embd)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The c_fc bias is added inside the fused bias+GELU op, not by the matmul."""
+        return self.c_proj(self.ops.bias_gelu(F.linear(x, self.c_fc.weight), self.c_fc.bias))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPT2Config, ops: Ops, backend: AttentionBackend):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = Attention(cfg, backend)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = MLP(cfg, ops)
+        self.ops = ops
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes the previous branch output and residual; returns this block's MLP output and
+        the residual it has not yet been added to."""
+        x, residual = _add_norm(self.ops, hidden, residual, self.ln_1)
+        hidden = self.attn(x, kv_cache, meta)
+        x, residual = _add_norm(self.ops, hidden, residual, self.ln_2)
+        return self.mlp(x), residual
+
+
+def _add_norm(ops: Ops, x: torch.Tensor, residual: torch.Tensor,
+              norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
+
+
+class GPT2(nn.Module):
+    def __init__(self, cfg: GPT2Config, ops: Ops, backend: AttentionBackend):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.h = nn.ModuleList(Block(cfg, ops, backend) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.ops = ops
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, n_embd]."""
+        hidden, residual = self.wte(input_ids), self.wpe(positions)
+        for block, kv_cache in zip(self.h, kv_caches, strict=True):
+            hidden, residual = block(hidden, residual, kv_cache, meta)
+        return _add_norm(self.ops, hidden, residual, self.ln_f)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, n_embd] -> float32 logits [N, vocab] through the tied embedding."""
+        return F.linear(hidden, self.wte.weight).float()
+
+
+def load_gpt2(model: str, dtype: torch.dtype, device: torch.device | str, ops: Ops,
+              attention: AttentionBackend) -> GPT2:
+    """Build GPT-2 from a local HF directory or a hub id, weights cast to dtype on device."""
+    model_dir = resolve_model_dir(model)
+    cfg = GPT2Config.from_json(model_dir / "config.json")
+    with torch.device("meta"):  # no allocation or random init: the checkpoint fills it
+        gpt2 = GPT2(cfg, ops, attention)
+    gpt2.load_state_dict(load_weights(model_dir, dtype, device), strict=True, assign=True)
+    return gpt2.eval().requires_grad_(False)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local directory as is; anything that is not path-like is a hub id, fetched by
+    snapshot_download (which finds it in the HF cache when HF_HUB_OFFLINE=1)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return _check_has_config(path, model)
+    if path.is_absolute() or model.startswith((".", "~")) or path.exists():
+        raise FileNotFoundError(f"model directory {model!r} does not exist (expected a "
+                                f"directory holding config.json and model.safetensors or "
+                                f"pytorch_model.bin)")
+    return _check_has_config(_download(model), model)
+
+
+def _download(repo_id: str) -> Path:
+    """Fetch only what the loader reads; pytorch_model.bin only when there is no safetensors."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = Path(snapshot_download(repo_id, allow_patterns=["config.json", "*.safetensors"]))
+        if not any(local.glob("*.safetensors")):
+            local = Path(snapshot_download(repo_id,
+                                           allow_patterns=["config.json", "pytorch_model.bin"]))
+    except Exception as err:  # offline, unknown repo, bad id: all mean "no such model here"
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not a local directory and could not be fetched from the HF "
+            f"hub (looked for config.json and *.safetensors or pytorch_model.bin; "
+            f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {err}") from err
+    return local
+
+
+def _check_has_config(path: Path, model: str) -> Path:
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model {model!r}: no config.json in {path}")
+    return path
+
+
+def load_weights(model_dir: Path, dtype: torch.dtype,
+                 device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors under this module's names: "transformer." prefix dropped, causal-mask
+    buffers and the tied lm_head skipped, Conv1D weights transposed to [out, in]."""
+    state = {}
+    for name, tensor in _read_checkpoint(model_dir).items():
+        name = name.removeprefix("transformer.")
+        if name == "lm_head.weight" or name.endswith(CAUSAL_MASK_BUFFERS):
+            continue
+        tensor = tensor.to(device=device, dtype=dtype)
+        state[name] = tensor.t().contiguous() if name.endswith(CONV1D_WEIGHTS) else tensor
+    return state
+
+
+def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if shards:
+        from safetensors.torch import load_file
+
+        return {name: t for shard in shards for name, t in load_file(shard).items()}
+    bin_path = model_dir / "pytorch_model.bin"
+    if bin_path.is_file():
+        return torch.load(bin_path, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors "
+                            f"(or *.safetensors shards) or pytorch_model.bin")

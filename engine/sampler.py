@@ -1,0 +1,224 @@
+"""Batched sampling on the logits' device. One row of logits per sequence with sample=True.
+
+    sanitise (NaN, inf) ─▶ raw logprobs (requests asking for them)
+      ─▶ logit_bias ─▶ min_tokens (mask stop tokens) ─▶ penalties
+      ─▶ greedy rows: argmax
+      ─▶ other rows:  / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race
+
+Each stage that no sequence in the batch uses is skipped, so a plain batch pays for the
+softmax and the race only. The exponential race, argmax(p / E) with E ~ Exp(1), draws from p
+without a CDF search; a seeded request draws its E from its own generator, seeded from
+(seed, tokens generated so far), so its tokens don't depend on its batch or on preemption.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.batch import ScheduledSequence, TokenLogprobs
+from engine.request import EOS_TOKEN_ID
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    """Device tensors for one step; `to_lists` brings them to the host with one sync."""
+    token_ids: torch.Tensor  # [N] int64
+    logprob_rows: list[int]  # rows whose request asked for logprobs
+    num_top: list[int]  # per logprob row: how many alternatives it asked for
+    sampled_logprobs: torch.Tensor | None = None  # [len(logprob_rows)]
+    top_ids: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)]
+    top_logprobs: torch.Tensor | None = None
+
+    def to_lists(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        tensors = [self.token_ids]
+        if self.logprob_rows:
+            tensors += [self.sampled_logprobs, self.top_ids, self.top_logprobs]
+        host = to_host(tensors)
+        token_ids = host[0].tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if self.logprob_rows:
+            sampled, top_ids, top_lps = (t.tolist() for t in host[1:])
+            for j, (row, k) in enumerate(zip(self.logprob_rows, self.num_top)):
+                logprobs[row] = TokenLogprobs(sampled[j], top_ids[j][:k], top_lps[j][:k])
+        return token_ids, logprobs
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Start every device-to-host copy, then wait once (non_blocking copies land in pinned
+    memory), instead of one blocking sync per tensor."""
+    if not tensors[0].is_cuda:
+        return tensors
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return host
+
+
+class Sampler:
+    """Turns a step's logits into next tokens. Its only state is the generator that unseeded
+    rows draw their noise from (seeded once, so a whole engine run is reproducible)."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0):
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSequence]) -> SamplerOutput:
+        logits = sanitize(logits)
+        logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[logprob_rows], -1) if logprob_rows else None
+        logits = apply_logit_bias(logits, seqs)
+        logits = apply_min_tokens(logits, seqs)
+        logits = apply_penalties(logits, seqs)
+        token_ids = sample(logits, seqs, self.generator)
+        num_top = [seqs[i].params.logprobs for i in logprob_rows]
+        out = SamplerOutput(token_ids, logprob_rows, num_top)
+        if raw_logprobs is not None:
+            sampled = token_ids[logprob_rows]
+            out.sampled_logprobs = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
+            out.top_logprobs, out.top_ids = raw_logprobs.topk(max(out.num_top), dim=-1)
+        return out
+
+
+def sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf, +inf -> the largest float; a row with nothing finite left becomes uniform,
+    so a broken row still yields a valid token instead of NaN probabilities."""
+    logits = torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max,
+                              neginf=NEG_INF)
+    dead = ~torch.isfinite(logits).any(dim=-1, keepdim=True)
+    return logits.masked_fill(dead, 0.0)
+
+
+def _rows_tokens(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    rows, tokens = zip(*pairs)
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(tokens, dtype=torch.long, device=device))
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    entries = [(i, tok, bias) for i, s in enumerate(seqs) for tok, bias in s.params.logit_bias
+               if tok < vocab]  # an id past the vocabulary can never be sampled anyway
+    if not entries:
+        return logits
+    rows, tokens = _rows_tokens([(i, tok) for i, tok, _ in entries], logits.device)
+    bias = torch.tensor([b for *_, b in entries], dtype=logits.dtype, device=logits.device)
+    return logits.index_put((rows, tokens), bias, accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
+    """Until a request has min_tokens outputs, its stop tokens (EOS unless ignore_eos) are
+    banned, so it cannot end early."""
+    vocab = logits.shape[-1]
+    banned = []
+    for i, s in enumerate(seqs):
+        if s.num_output_tokens < s.params.min_tokens:
+            stops = set(s.params.stop_token_ids)
+            if not s.params.ignore_eos:
+                stops.add(EOS_TOKEN_ID)
+            banned += [(i, tok) for tok in sorted(stops) if tok < vocab]
+    if not banned:
+        return logits
+    return logits.index_put(_rows_tokens(banned, logits.device),
+                            torch.tensor(NEG_INF, device=logits.device))
+
+
+def _token_matrix(token_lists: list[tuple[int, ...]], pad: int, device) -> torch.Tensor:
+    """Ragged token lists as one [N, longest] int64 tensor padded with `pad`."""
+    matrix = np.full((len(token_lists), max(map(len, token_lists), default=0)), pad, np.int64)
+    for row, tokens in enumerate(token_lists):
+        matrix[row, :len(tokens)] = tokens
+    return torch.from_numpy(matrix).to(device)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
+    """Repetition penalty as HF (over prompt + output: positive logits divided, negative
+    multiplied); presence and frequency penalties as OpenAI (over output tokens only)."""
+    if not any(s.params.needs_penalties for s in seqs):
+        return logits
+    num_rows, vocab = logits.shape
+    device = logits.device
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(s.params, name) for s in seqs], device=device)[:, None]
+
+    # the extra column `vocab` collects padding and is dropped
+    outputs = _token_matrix([s.output_token_ids if s.params.needs_penalties else ()
+                             for s in seqs], vocab, device)
+    counts = torch.zeros(num_rows, vocab + 1, device=device).scatter_add_(
+        1, outputs, torch.ones_like(outputs, dtype=torch.float))[:, :vocab]
+    seen = _token_matrix([s.prompt_token_ids + s.output_token_ids
+                          if s.params.repetition_penalty != 1.0 else () for s in seqs],
+                         vocab, device)
+    in_context = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device).scatter_(
+        1, seen, True)[:, :vocab]
+    rep = per_row("repetition_penalty")
+    logits = torch.where(in_context, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - per_row("frequency_penalty") * counts
+            - per_row("presence_penalty") * (counts > 0).float())
+
+
+def sample(logits: torch.Tensor, seqs: list[ScheduledSequence],
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Greedy rows take the argmax; the others draw from their filtered distribution."""
+    greedy = [s.params.greedy for s in seqs]
+    if all(greedy):
+        return logits.argmax(dim=-1)
+    sampled = _random_sample(_filter(logits, seqs), seqs, generator)
+    if not any(greedy):
+        return sampled
+    greedy_mask = torch.tensor(greedy, device=logits.device)
+    return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+
+
+def _filter(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (each only when some row uses it)."""
+    device, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=device)[:, None]
+    # +inf became finfo.max, which / temperature < 1 overflows again: clamp back
+    logits = (logits / temps).clamp(max=torch.finfo(logits.dtype).max)
+    top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
+    # top_p 1 must keep everything, even where rounding lets the cumulative mass reach 1 early
+    top_p = [s.params.top_p if s.params.top_p < 1.0 else float("inf") for s in seqs]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, torch.tensor(top_k, device=device),
+                              torch.tensor(top_p, device=device))
+    min_p = [s.params.min_p for s in seqs]
+    if any(p > 0.0 for p in min_p):
+        probs = logits.softmax(dim=-1)
+        floor = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, NEG_INF)
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """One descending sort serves both masks. Top-p drops a token when the probability mass
+    strictly before it already reaches p, so the most likely token always survives."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    kth = ordered.gather(1, (top_k - 1)[:, None])
+    ordered = ordered.masked_fill(ordered < kth, NEG_INF)
+    probs = ordered.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    ordered = ordered.masked_fill(mass_before >= top_p[:, None], NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def _random_sample(logits: torch.Tensor, seqs: list[ScheduledSequence],
+                   generator: torch.Generator | None) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, s in enumerate(seqs):
+        if s.params.seed is not None and not s.params.greedy:
+            own = torch.Generator(device=probs.device)
+            own.manual_seed(_step_seed(s.params.seed, s.num_output_tokens))
+            noise[row].exponential_(generator=own)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A well-mixed 63-bit seed for one (request seed, output position) pair."""
+    digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -1,0 +1,114 @@
+"""Block manager: allocation, prefix sharing, LRU eviction and invariants (no torch)."""
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager, block_key
+
+
+def admit_prompt(bm: BlockManager, rid: str, tokens: list[int]) -> list[int]:
+    cached = bm.find_cached_prefix(tokens)
+    assert bm.admit(rid, tokens, cached, len(tokens) - len(cached) * bm.block_size)
+    return cached
+
+
+def test_prefix_blocks_are_shared_and_last_token_recomputed():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(12))  # exactly three full blocks
+    admit_prompt(bm, "a", prompt)
+    bm.cache_full_blocks("a", prompt, len(prompt))
+    cached = admit_prompt(bm, "b", prompt)
+    # the last block is not reused: its last token must be recomputed to get logits
+    assert len(cached) == 2
+    assert bm.block_ids("b")[:2] == bm.block_ids("a")[:2]
+    assert bm.block_ids("b")[2] != bm.block_ids("a")[2]
+    assert bm.blocks[bm.block_ids("a")[0]].ref_count == 2
+    assert bm.prefix_hits == 8 and bm.prefix_queries == 24
+    bm.check_invariants()
+
+
+def test_hash_chain_depends_on_whole_prefix():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    admit_prompt(bm, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    bm.cache_full_blocks("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], 9)
+    # [5, 6, 7, 8] is cached, but as the block after [1, 2, 3, 4]: no hit at position 0
+    assert bm.find_cached_prefix([5, 6, 7, 8, 9]) == []
+    assert len(bm.find_cached_prefix([1, 2, 3, 4, 5, 6, 7, 8, 0])) == 2
+    assert block_key(b"", [1, 2]) != block_key(block_key(b"", [0]), [1, 2])
+
+
+def test_freed_cached_blocks_are_reused_until_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    prompt = [7, 7, 8, 8, 9]
+    admit_prompt(bm, "a", prompt)
+    bm.cache_full_blocks("a", prompt, 4)
+    bm.free("a")
+    assert bm.num_free_blocks == 4
+    assert len(bm.find_cached_prefix(prompt)) == 2  # still cached while free
+    # the free queue is now [never used, a's tail, a's 2nd block, a's 1st block]: new
+    # allocations take unused and tail blocks first, so the shared head survives longest
+    assert bm.admit("x", [1, 2, 3, 4], [], 4)
+    assert len(bm.find_cached_prefix(prompt)) == 2
+    assert bm.admit("y", [5, 6], [], 2)
+    assert len(bm.find_cached_prefix(prompt)) == 1
+    bm.check_invariants()
+
+
+def test_admit_fails_without_side_effects_when_pool_is_short():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    assert not bm.admit("a", list(range(9)), [], 9)
+    assert bm.num_free_blocks == 2 and bm.prefix_queries == 0
+    bm.check_invariants()
+
+
+def test_disabled_prefix_caching_never_hits():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    admit_prompt(bm, "a", [1, 2, 3])
+    bm.cache_full_blocks("a", [1, 2, 3], 3)
+    assert bm.find_cached_prefix([1, 2, 3]) == []
+
+
+def test_invariant_check_catches_corruption():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    admit_prompt(bm, "a", [1, 2, 3])
+    bm.blocks[bm.block_ids("a")[0]].ref_count += 1
+    with pytest.raises(AssertionError):
+        bm.check_invariants()
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4]),
+       seed=st.integers(0, 10**6))
+def test_random_operations_keep_invariants(num_blocks, block_size, seed):
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks, block_size)
+    live: dict[str, tuple[list[int], int]] = {}  # id -> (tokens, computed)
+    for step in range(60):
+        op = rng.random()
+        if op < 0.4:
+            tokens = [rng.randrange(3) for _ in range(rng.randint(1, 12))]
+            cached = bm.find_cached_prefix(tokens)
+            n_new = len(tokens) - len(cached) * block_size
+            if bm.admit(f"r{step}", tokens, cached, n_new):
+                live[f"r{step}"] = (tokens, len(tokens))
+                bm.cache_full_blocks(f"r{step}", tokens, len(tokens))
+        elif op < 0.7 and live:
+            rid = rng.choice(sorted(live))
+            tokens, computed = live[rid]
+            tokens = tokens + [rng.randrange(3)]
+            if bm.grow(rid, len(tokens)):
+                live[rid] = (tokens, len(tokens))
+                bm.cache_full_blocks(rid, tokens, len(tokens))
+        elif live:
+            rid = rng.choice(sorted(live))
+            bm.free(rid)
+            del live[rid]
+        bm.check_invariants()
+        for rid, (tokens, _) in live.items():
+            assert len(bm.block_ids(rid)) == bm.blocks_needed(len(tokens))
+    for rid in list(live):
+        bm.free(rid)
+    bm.check_invariants()
+    assert bm.num_free_blocks == num_blocks
