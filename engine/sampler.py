@@ -215,7 +215,8 @@ def _random_sample(logits: torch.Tensor, seqs: list[ScheduledSequence],
             own = torch.Generator(device=probs.device)
             own.manual_seed(_step_seed(s.params.seed, s.num_output_tokens))
             noise[row].exponential_(generator=own)
-    return (probs / noise).argmax(dim=-1)
+    # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks
+    return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def _step_seed(seed: int, step: int) -> int:

@@ -1,0 +1,109 @@
+"""Shared pieces of the benchmark scripts: device ceilings, checkpoints, result files, plots."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+BENCH_DIR = ROOT / "docs" / "benchmarks"
+
+
+def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randn(n_bytes // 2, device="cuda", dtype=torch.float16)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / repeats
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n_bytes / seconds
+
+
+def device_info() -> dict:
+    if not torch.cuda.is_available():
+        return {"device": "cpu"}
+    return {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bandwidth(),
+            "torch": torch.__version__}
+
+
+def checkpoint_for(model: str) -> str:
+    """A named arch without a local copy becomes a random checkpoint under checkpoints/."""
+    make = _load_script("make_checkpoint")
+    if model in make.ARCHS:
+        out = ROOT / "checkpoints" / f"{model}-random"
+        if not (out / "config.json").exists():
+            print(f"writing random-weight {model} checkpoint to {out}", flush=True)
+            make.make_checkpoint(out, arch=model, dtype="float16")
+        return str(out)
+    return model
+
+
+def _load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def model_bytes(checkpoint: str, bytes_per_param: int = 2) -> tuple[int, dict]:
+    """Weight bytes at the serving dtype, and the config (layers, width) for KV sizing."""
+    cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+    d, layers, vocab, pos = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"], cfg["n_positions"]
+    params = vocab * d + pos * d + layers * (12 * d * d + 13 * d) + 2 * d
+    return params * bytes_per_param, cfg
+
+
+def write_result(name: str, result: dict, out_dir: Path = BENCH_DIR) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"command": " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "git": _git_rev(), **result}
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def _git_rev() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, check=False).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def plot(path: Path, xs: list, series: dict[str, list], xlabel: str, ylabel: str,
+         title: str) -> None:
+    """A PNG line plot; skipped with a note when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, ys in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xscale="log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", flush=True)

@@ -1,0 +1,175 @@
+"""The sampler on hand-made logits: each stage against a reference computed in the test."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.batch import ScheduledSequence
+from engine.request import EOS_TOKEN_ID, SamplingParams
+from engine.sampler import Sampler, apply_penalties
+
+VOCAB = 1000
+
+
+def seq(params: SamplingParams, num_output_tokens: int = 0, prompt: tuple[int, ...] = (),
+        output: tuple[int, ...] = ()) -> ScheduledSequence:
+    return ScheduledSequence("r", [0], 0, [0], True, params, output_token_ids=output,
+                             prompt_token_ids=prompt,
+                             num_output_tokens=num_output_tokens or len(output))
+
+
+def run(logits: torch.Tensor, seqs: list[ScheduledSequence], seed: int = 0):
+    return Sampler("cpu", seed)(logits, seqs).to_lists()
+
+
+def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(8)
+    tokens, logprobs = run(logits, [seq(SamplingParams(temperature=0))] * 8)
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs == [None] * 8
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
+                                    SamplingParams(top_k=1, temperature=2.0)])
+def test_filters_that_keep_one_token_equal_greedy(params):
+    logits = random_logits(64)
+    tokens, _ = run(logits, [seq(params)] * 64)
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_unfiltered_sampling_is_not_greedy():
+    """Guards the tests above: without a filter, plain sampling draws other tokens too."""
+    logits = random_logits(64) / 10
+    tokens, _ = run(logits, [seq(SamplingParams())] * 64)
+    assert tokens != logits.argmax(-1).tolist()
+
+
+def draw_many(probs: list[float], params: SamplingParams, rows: int = 2000) -> set[int]:
+    logits = torch.tensor(probs).log().expand(rows, -1).contiguous()
+    tokens, _ = run(logits, [seq(params)] * rows)
+    return set(tokens)
+
+
+def test_min_p_keeps_tokens_above_fraction_of_the_top():
+    probs = [0.5, 0.3, 0.15, 0.05]  # min_p 0.5 keeps p >= 0.25: tokens 0 and 1
+    assert draw_many(probs, SamplingParams(min_p=0.5)) == {0, 1}
+    assert draw_many(probs, SamplingParams(min_p=0.0)) == {0, 1, 2, 3}
+
+
+def test_top_k_and_top_p_keep_the_most_likely_tokens():
+    probs = [0.05, 0.4, 0.1, 0.3, 0.15]
+    assert draw_many(probs, SamplingParams(top_k=2)) == {1, 3}
+    assert draw_many(probs, SamplingParams(top_p=0.8)) == {1, 3, 4}  # 0.4 + 0.3 < 0.8
+
+
+def test_penalties_match_hand_computed_reference():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0]] * 2)
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    penalised = seq(params, prompt=(0, 1), output=(1, 3, 3))
+    plain = seq(SamplingParams())
+    # repetition over prompt + output (0, 1, 3): positive / 2, negative * 2;
+    # then output counts {1: 1, 3: 2}: minus 0.25 * count + 0.5 * (count > 0)
+    expected = torch.tensor([2.0 / 2, -1.0 * 2 - 0.25 - 0.5, 0.5,
+                             3.0 / 2 - 0.5 - 0.5, -2.0, 0.0])
+    out = apply_penalties(logits, [penalised, plain])
+    torch.testing.assert_close(out[0], expected)
+    torch.testing.assert_close(out[1], logits[1])
+    greedy = SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5,
+                            frequency_penalty=0.25)
+    tokens, _ = run(logits, [seq(greedy, prompt=(0, 1), output=(1, 3, 3)),
+                             seq(SamplingParams(temperature=0))])
+    assert tokens == [0, 3]
+
+
+def test_logit_bias_forces_a_token():
+    logits = random_logits(16)
+    params = [SamplingParams(logit_bias={7: 100.0}), SamplingParams(temperature=0,
+                                                                    logit_bias={9: 100.0})]
+    tokens, _ = run(logits, [seq(params[i % 2]) for i in range(16)])
+    assert tokens == [7, 9] * 8
+
+
+def eos_favoured_logits(rows: int) -> torch.Tensor:
+    logits = torch.zeros(rows, EOS_TOKEN_ID + 1)
+    logits[:, EOS_TOKEN_ID] = 50.0
+    logits[:, 11] = 40.0
+    return logits
+
+
+def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=(11,))
+    logits = eos_favoured_logits(4)
+    ignore = SamplingParams(temperature=0, min_tokens=3, ignore_eos=True)
+    tokens, _ = run(logits, [seq(params, num_output_tokens=1), seq(params, num_output_tokens=3),
+                             seq(ignore, num_output_tokens=0), seq(SamplingParams(temperature=0))])
+    assert tokens[0] not in (EOS_TOKEN_ID, 11)
+    assert tokens[1:] == [EOS_TOKEN_ID] * 3
+
+
+def test_logprobs_are_raw_log_softmax_with_ordered_top_k():
+    logits = random_logits(3)
+    params = [SamplingParams(logprobs=5, temperature=0.7, logit_bias={3: 5.0}),
+              SamplingParams(logprobs=0), SamplingParams()]
+    tokens, logprobs = run(logits, [seq(p) for p in params])
+    reference = torch.log_softmax(logits, -1)
+    first = logprobs[0]
+    assert first.token_logprob == pytest.approx(reference[0, tokens[0]].item(), abs=1e-5)
+    top = reference[0].topk(5)
+    assert first.top_token_ids == top.indices.tolist()
+    assert first.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-5)
+    assert logprobs[1].top_token_ids == [] and logprobs[1].top_logprobs == []
+    assert logprobs[1].token_logprob == pytest.approx(reference[1, tokens[1]].item(), abs=1e-5)
+    assert logprobs[2] is None
+
+
+def test_seeded_request_ignores_its_batch():
+    seeded = SamplingParams(seed=1234)
+    logits = random_logits(1, seed=5) / 10  # flat enough that draws vary
+    alone = [run(logits, [seq(seeded, num_output_tokens=step)], seed=0)[0][0]
+             for step in range(8)]
+    neighbours = [SamplingParams(temperature=0), SamplingParams(top_k=5, top_p=0.5),
+                  SamplingParams(min_p=0.1, repetition_penalty=1.5)]
+    in_batch = []
+    for step in range(8):
+        batch = torch.cat([random_logits(3, seed=step + 100), logits])
+        seqs = [seq(p, output=(1, 2)) for p in neighbours] + [seq(seeded, num_output_tokens=step)]
+        in_batch.append(run(batch, seqs, seed=step + 1)[0][3])
+    assert alone == in_batch
+    assert len(set(alone)) > 1  # the seed varies with the step
+    other_seed = [run(logits, [seq(SamplingParams(seed=99), num_output_tokens=step)])[0][0]
+                  for step in range(8)]
+    assert other_seed != alone
+
+
+def test_unseeded_rows_follow_the_sampler_seed():
+    logits = random_logits(32) / 10
+    params = [seq(SamplingParams())] * 32
+    assert run(logits, params, seed=3)[0] == run(logits, params, seed=3)[0]
+    assert run(logits, params, seed=3)[0] != run(logits, params, seed=4)[0]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.5, logprobs=3),
+    SamplingParams(top_k=3, top_p=0.5, min_p=0.2, seed=7, logprobs=3),
+    SamplingParams(repetition_penalty=1.5, presence_penalty=1.0, min_tokens=2, logprobs=3)])
+def test_nan_and_inf_rows_give_valid_tokens(params):
+    nan, inf = float("nan"), float("inf")
+    logits = random_logits(5)
+    logits[0] = nan
+    logits[1] = -inf
+    logits[2, ::2] = nan
+    logits[3, 10] = inf
+    logits[4, [20, 30]] = inf
+    logits[4, 40] = -inf
+    tokens, logprobs = run(logits, [seq(params, output=(1, 2)) for _ in range(5)])
+    assert all(0 <= t < VOCAB for t in tokens)
+    assert tokens[3] == 10 and tokens[4] in (20, 30)
+    assert tokens[2] % 2 == 1  # NaN entries can never be drawn
+    assert all(math.isfinite(lp.token_logprob) for lp in logprobs)
+    assert logprobs[0].token_logprob == pytest.approx(-math.log(VOCAB))
