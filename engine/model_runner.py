@@ -7,6 +7,7 @@ come back with one host sync per step.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,10 +16,13 @@ import torch
 from engine.attention import AttentionMetadata, get_attention_backend
 from engine.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.layers import TORCH_OPS, Ops
 from engine.models.gpt2 import load_gpt2
 from engine.request import SamplingParams
 from engine.sampler import Sampler
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -55,6 +59,27 @@ def ops_for(backend: str) -> Ops:
 
 
 @dataclass
+class HostInputs:
+    """One step's inputs as host arrays, varlen over the batch."""
+    token_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    block_tables: np.ndarray  # int32 [S, max_blocks_per_seq]
+    seq_lens: np.ndarray  # int32 [S]
+    query_start_loc: np.ndarray  # int32 [S + 1]
+    sample_indices: np.ndarray  # int64: the last token row of each sample=True sequence
+    max_query_len: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    def decode_inputs(self) -> DecodeInputs:
+        return DecodeInputs(self.token_ids, self.positions, self.slot_mapping,
+                            self.block_tables, self.seq_lens)
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -62,8 +87,8 @@ class StepInputs:
     sample_indices: torch.Tensor  # [num sample=True seqs] int64: each one's last token row
 
 
-def prepare_inputs(seqs: list[ScheduledSequence], block_size: int, max_blocks_per_seq: int,
-                   device: torch.device) -> StepInputs:
+def prepare_host_inputs(seqs: list[ScheduledSequence], block_size: int,
+                        max_blocks_per_seq: int) -> HostInputs:
     """Varlen inputs of one step, computed with numpy over the whole batch at once."""
     new_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
     starts = np.array([s.start_position for s in seqs], dtype=np.int64)
@@ -76,24 +101,31 @@ def prepare_inputs(seqs: list[ScheduledSequence], block_size: int, max_blocks_pe
     for row, s in enumerate(seqs):
         block_tables[row, :len(s.block_ids)] = s.block_ids
     block_of_token = block_tables[seq_of_token, positions // block_size].astype(np.int64)
-    slot_mapping = block_of_token * block_size + positions % block_size
-    input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs),
+    token_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs),
                             dtype=np.int64, count=num_tokens)
-    seq_lens = starts + new_lens
-    sample_indices = (query_start_loc[1:] - 1)[[s.sample for s in seqs]]
+    return HostInputs(
+        token_ids=token_ids, positions=positions,
+        slot_mapping=block_of_token * block_size + positions % block_size,
+        block_tables=block_tables, seq_lens=(starts + new_lens).astype(np.int32),
+        query_start_loc=query_start_loc.astype(np.int32),
+        sample_indices=(query_start_loc[1:] - 1)[[s.sample for s in seqs]],
+        max_query_len=int(new_lens.max()))
 
+
+def to_device(host: HostInputs, device: torch.device) -> StepInputs:
     def on_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(array).to(device=device, dtype=dtype)
 
     meta = AttentionMetadata(
-        slot_mapping=on_device(slot_mapping, torch.int64),
-        block_tables=on_device(block_tables, torch.int32),
-        seq_lens=on_device(seq_lens, torch.int32),
-        query_start_loc=on_device(query_start_loc, torch.int32),
-        max_query_len=int(new_lens.max()), max_seq_len=int(seq_lens.max()),
-        query_start_loc_host=query_start_loc.tolist(), seq_lens_host=seq_lens.tolist())
-    return StepInputs(on_device(input_ids, torch.int64), on_device(positions, torch.int64), meta,
-                      on_device(sample_indices, torch.int64))
+        slot_mapping=on_device(host.slot_mapping, torch.int64),
+        block_tables=on_device(host.block_tables, torch.int32),
+        seq_lens=on_device(host.seq_lens, torch.int32),
+        query_start_loc=on_device(host.query_start_loc, torch.int32),
+        max_query_len=host.max_query_len, max_seq_len=int(host.seq_lens.max()),
+        query_start_loc_host=host.query_start_loc.tolist(), seq_lens_host=host.seq_lens.tolist())
+    return StepInputs(on_device(host.token_ids, torch.int64),
+                      on_device(host.positions, torch.int64), meta,
+                      on_device(host.sample_indices, torch.int64))
 
 
 class ModelRunner:
@@ -106,10 +138,26 @@ class ModelRunner:
                                ops_for(self.attention_backend),
                                get_attention_backend(self.attention_backend))
         self.sampler = Sampler(self.device, config.model.seed)
+        self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
         self.num_kv_blocks = config.cache.num_kv_blocks or self._num_blocks_that_fit()
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+        self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """Decode graphs need CUDA and a backend whose launches depend on no host values
+        (the torch reference loops over sequences on the host)."""
+        if (self.device.type != "cuda" or self.config.model.enforce_eager
+                or self.attention_backend != "triton"):
+            return None
+        sched = self.config.scheduler
+        graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
+                              self.max_blocks_per_seq, sched.max_model_len, self.device)
+        seconds = graphs.capture()
+        log.info("captured %d decode CUDA graphs (batch sizes 1..%d) in %.1f s",
+                 len(graphs.sizes), graphs.max_batch, seconds)
+        return graphs
 
     @property
     def kv_block_bytes(self) -> int:
@@ -147,7 +195,16 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         held_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
-        return int(total * self.config.cache.gpu_memory_utilization) - held_elsewhere - peak
+        return (int(total * self.config.cache.gpu_memory_utilization) - held_elsewhere - peak
+                - self._graph_memory_estimate())
+
+    def _graph_memory_estimate(self) -> int:
+        """Graphs are captured after the cache is allocated, so their pool is set aside
+        up front: the float32 logits of the largest batch twice over, plus activations."""
+        if self.device.type != "cuda" or self.config.model.enforce_eager:
+            return 0
+        logits = self.config.scheduler.max_num_seqs * self.model.config.vocab_size * 4
+        return 2 * logits + (256 << 20)
 
     def _profile_run(self) -> None:
         """One step with the full token budget over as many sequences as may run at once, each
@@ -183,7 +240,10 @@ class ModelRunner:
         at each sampling sequence's last token. Exposed for tests and scoring."""
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        step = prepare_inputs(out.sequences, self.block_size, self.max_blocks_per_seq,
-                              self.device)
+        host = prepare_host_inputs(out.sequences, self.block_size, self.max_blocks_per_seq)
+        if (self.graphs is not None and host.is_decode_only
+                and len(out.sequences) <= self.graphs.max_batch):
+            return self.graphs.run(host.decode_inputs())  # decodes always sample
+        step = to_device(host, self.device)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         return self.model.compute_logits(hidden[step.sample_indices])

@@ -1,0 +1,122 @@
+"""CUDA graphs for decode steps: the forward pass and the logits, captured once per padded
+batch size and replayed, so a decode step costs one graph launch instead of ~10 kernel
+launches per layer from Python.
+
+Inputs live in static device buffers that every graph reads. A step of B sequences replays
+the smallest captured size >= B; rows B.. are padding that can do no harm:
+
+    row        0    1    2    3    4  | 5    6    7        (B = 5, graph for 8)
+    slot       s0   s1   s2   s3   s4 | -1   -1   -1       -1: KV store skips the row
+    seq_len    c0   c1   c2   c3   c4 | 1    1    1        attends to block 0, slot 0
+    block row  ...                    | 0 0 0 ...         (finite: the cache is zeroed)
+
+The attention metadata of a graph is fixed at capture: max_seq_len is the model's context
+length, so the split-KV grid covers any sequence, and the kernels mask by seq_lens.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to max_num_seqs (which is always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(8 if max_num_seqs > 8 else max_num_seqs, max_num_seqs, 8))
+    sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+@dataclass
+class DecodeInputs:
+    """Host arrays of one decode step, one row per sequence."""
+    token_ids: np.ndarray  # int64 [B]
+    positions: np.ndarray  # int64 [B]
+    slot_mapping: np.ndarray  # int64 [B]
+    block_tables: np.ndarray  # int32 [B, max_blocks]
+    seq_lens: np.ndarray  # int32 [B]
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
+                 max_blocks_per_seq: int, max_model_len: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_model_len = max_model_len
+        n = self.sizes[-1]
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.token_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slot_mapping = torch.full((n,), -1, **i64)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)
+        self.seq_lens = torch.ones(n, **i32)
+        self.query_start_loc = torch.arange(n + 1, **i32)
+        # pinned staging: one non-blocking copy per buffer per step
+        self._staging = {name: torch.zeros_like(getattr(self, name), device="cpu").pin_memory()
+                         for name in ("token_ids", "positions", "slot_mapping", "block_tables",
+                                      "seq_lens")}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size], query_start_loc=self.query_start_loc[:size + 1],
+            max_query_len=1, max_seq_len=self.max_model_len)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches,
+                            self._meta(size))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every size, largest first, all sharing one memory pool. Returns seconds."""
+        start = time.perf_counter()
+        pool = None
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up: compiles kernels, settles the allocator
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def run(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Replay the graph for this batch; returns logits [B, vocab] (a view valid until the
+        next replay)."""
+        batch = len(inputs.token_ids)
+        size = next(s for s in self.sizes if s >= batch)
+        self._stage("token_ids", inputs.token_ids, size, 0)
+        self._stage("positions", inputs.positions, size, 0)
+        self._stage("slot_mapping", inputs.slot_mapping, size, -1)
+        self._stage("block_tables", inputs.block_tables, size, 0)
+        self._stage("seq_lens", inputs.seq_lens, size, 1)
+        self.graphs[size].replay()
+        return self.logits[size][:batch]
+
+    def _stage(self, name: str, values: np.ndarray, size: int, pad: int) -> None:
+        """Copy rows [0, B) and padding rows [B, size) through pinned memory to the buffer.
+        Reusing the staging memory is safe because each step ends with a host sync on the
+        sampled tokens, after which the previous step's copies have completed."""
+        staging = self._staging[name][:size]
+        host = staging.numpy()
+        host[:len(values)] = values
+        host[len(values):] = pad
+        getattr(self, name)[:size].copy_(staging, non_blocking=True)
