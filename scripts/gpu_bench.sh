@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU-node job: kernel and graph tests at full size, then benchmarks, results under $OUT.
+#   OUT=/tmp/out bash scripts/gpu_bench.sh tests latency offline kernels
+# The node has torch/triton/transformers but no network: wheels it lacks travel in .whl/ and the
+# plain-PyTorch anchor in .anchor/ (copied from ../shared/anchors/).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-docs/benchmarks}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for stage in "$@"; do
+    echo "=== $stage ==="
+    case $stage in
+        tests) python3 -m pytest tests/kernels tests/test_cuda_graphs.py -q -x 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+        latency) python3 scripts/bench_latency.py --models "${MODELS:-gpt2,gpt2-xl}" --anchor .anchor/compiled_decode_anchor.py --out "$OUT" 2>&1 | tee "$OUT/latency.log" | grep -v "it/s" ;;
+        offline) python3 scripts/bench_offline.py --model gpt2 --num-prompts "${NUM_PROMPTS:-1000}" --out "$OUT" 2>&1 | tee "$OUT/offline.log" | grep -v "it/s\]" ;;
+        kernels) python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
+        *) echo "unknown stage $stage" ;;
+    esac
+done

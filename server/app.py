@@ -1,0 +1,208 @@
+"""The FastAPI app: routes, error shapes, API-key check, and the engine's lifetime.
+
+Bodies are read and parsed by hand (`read_json_body`) instead of through FastAPI's
+parameter injection: that is what lets every bad input (malformed JSON, an oversized body, a
+wrong type) answer 400 in OpenAI's error shape instead of FastAPI's 422.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.async_engine import AsyncEngine, RequestFailed
+from server.completions import CompletionService
+from server.metrics import ServerMetrics, ThroughputLog
+from server.protocol import (DetokenizeRequest, Limits, RequestError, TokenizeRequest,
+                             check_tokens_in_vocab, parse_model)
+
+logger = logging.getLogger("gpt2serve")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    max_queued_requests: int = 256
+    max_n: int = 16
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    log_interval: float = 10.0  # seconds between throughput lines; 0 turns them off
+
+
+def version() -> str:
+    try:
+        return metadata.version("gpt2-serve")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
+    """Serve an already-built LLMEngine; its loop thread starts with the app's lifespan."""
+    scheduler = engine.config.scheduler
+    metrics = ServerMetrics(settings.model_name, scheduler.max_model_len)
+    async_engine = AsyncEngine(engine, settings.max_queued_requests,
+                               observe_output=metrics.observe_output,
+                               observe_stats=metrics.observe_stats)
+    limits = Limits(engine.tokenizer.vocab_size, scheduler.max_model_len, settings.max_n)
+    service = CompletionService(async_engine, engine.tokenizer, settings.model_name, limits)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        log_task = asyncio.create_task(_log_throughput(ThroughputLog(metrics), async_engine,
+                                                       settings.log_interval))
+        try:
+            yield
+        finally:
+            log_task.cancel()
+            await async_engine.stop()
+
+    app = FastAPI(title="gpt2-serve", version=version(), lifespan=lifespan,
+                  openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.async_engine, app.state.metrics = async_engine, metrics
+    _add_error_handlers(app)
+    _add_routes(app, service, metrics, settings)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    return app
+
+
+async def _log_throughput(log: ThroughputLog, async_engine: AsyncEngine,
+                          interval: float) -> None:
+    while interval > 0:
+        await asyncio.sleep(interval)
+        if async_engine.stats is not None:
+            logger.info(log.line(async_engine.stats, async_engine.num_waiting))
+
+
+def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics,
+                settings: ServerSettings) -> None:
+    tokenizer, limits = service.tokenizer, service.limits
+    async_engine = service.engine
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await service.create(request, await read_json_body(request, settings))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": settings.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "gpt2-serve", "root": settings.model_name, "parent": None,
+            "max_model_len": limits.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if async_engine.healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": version()}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = parse_model(TokenizeRequest, await read_json_body(request, settings))
+        service.check_model(req.model)
+        tokens = service.encode(req.prompt)
+        return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = parse_model(DetokenizeRequest, await read_json_body(request, settings))
+        service.check_model(req.model)
+        check_tokens_in_vocab(req.tokens, limits.vocab_size, param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+
+async def read_json_body(request: Request, settings: ServerSettings) -> Any:
+    """The body as JSON, refusing it (400) past the size cap without reading it all."""
+    limit = settings.max_body_bytes
+    too_big = RequestError(f"the request body is larger than {limit} bytes",
+                           code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise RequestError(f"malformed JSON body: {exc}", code="invalid_json") from None
+
+
+def _error_response(err: RequestError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.status == 503 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, err: RequestError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+        param = next((str(p) for p in first["loc"] if p != "body"), None)
+        return _error_response(RequestError(f"{param}: {first['msg']}", param=param))
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(_: Request, err: HTTPException) -> JSONResponse:
+        return _error_response(RequestError(str(err.detail), code=str(err.status_code),
+                                            status=err.status_code))
+
+    @app.exception_handler(RequestFailed)
+    @app.exception_handler(Exception)
+    async def on_internal_error(_: Request, err: Exception) -> JSONResponse:
+        """Starlette re-raises unexpected errors after this, so uvicorn logs the traceback."""
+        message = str(err) if isinstance(err, RequestFailed) else "internal server error"
+        return _error_response(RequestError(message, code="internal_error", status=500,
+                                            err_type="internal_server_error"))
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check on every /v1 route. Both the raw path and the decoded path (what the
+    router matches) are tested, so no percent-encoding of "/v1" slips past the check."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self._protected(scope) and not self._authorized(scope):
+            response = JSONResponse(RequestError("invalid or missing API key", code="401",
+                                                 status=401).body(), status_code=401)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _protected(scope: Scope) -> bool:
+        raw_path = scope.get("raw_path") or b""
+        paths = (raw_path.decode("latin-1").split("?", 1)[0], scope.get("path", ""))
+        return any(path.lstrip("/").lower().startswith("v1") for path in paths)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = dict(scope.get("headers", [])).get(b"authorization", b"")
+        return secrets.compare_digest(given, self.expected)

@@ -1,0 +1,217 @@
+"""POST /v1/completions: from a parsed body to a JSON response or an SSE stream.
+
+A request's prompts become one engine request each (`n` choices fan out inside the engine);
+choice `j` of prompt `i` is reported as index `i * n + j`, as OpenAI does. A disconnect
+watcher reads the ASGI receive channel, so a client that goes away is noticed at once, even
+while its request is still queued and producing nothing, and its engine requests are aborted.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.outputs import CompletionOutput, RequestOutput
+from server.async_engine import AsyncEngine, ClientDisconnected, Generation, RequestFailed
+from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                             CompletionResponse, Limits, RequestError, Usage,
+                             check_context_length, finite_logprob, max_tokens_of,
+                             parse_completion_request, parse_prompt, to_sampling_params)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: Any) -> str:
+    """One Server-Sent Event; pydantic writes NaN/inf as null, so the JSON stays valid."""
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else payload
+    return f"data: {data}\n\n"
+
+
+class CompletionService:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str,
+                 limits: Limits) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.limits = limits
+
+    async def create(self, http_request: Request, body: Any) -> Response:
+        req = parse_completion_request(body, self.limits)
+        self.check_model(req.model)
+        prompts = self._tokenize_prompts(req)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        generation = self.engine.generate(request_id, prompts, self._sampling_params(req))
+        watcher = asyncio.create_task(_cancel_on_disconnect(http_request, generation))
+        try:
+            await generation.accepted()
+        except BaseException:
+            _finish(generation, watcher)
+            raise
+        reply = _Reply(self, req, request_id, prompts)
+        if req.stream:
+            return StreamingResponse(reply.stream(generation, watcher),
+                                     media_type="text/event-stream")
+        return await reply.collect(generation, watcher)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(f"The model `{model}` does not exist; this server serves "
+                               f"`{self.model_name}`", param="model", code="model_not_found",
+                               status=404)
+
+    def _tokenize_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        token_lists = [self.encode(p) if isinstance(p, str) else p
+                       for p in parse_prompt(req.prompt, self.limits.vocab_size)]
+        for tokens in token_lists:
+            check_context_length(len(tokens), max_tokens_of(req), self.limits.max_model_len)
+        return token_lists
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except ValueError as exc:
+            raise RequestError(f"prompt could not be tokenized: {exc}", param="prompt") from None
+
+    def _sampling_params(self, req: CompletionRequest) -> Any:
+        try:
+            return to_sampling_params(req, self.limits.vocab_size)
+        except ValueError as exc:  # SamplingParams names the field first
+            raise RequestError(str(exc), param=str(exc).split()[0]) from None
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+async def _cancel_on_disconnect(http_request: Request, generation: Generation) -> None:
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
+    generation.cancel()
+
+
+def _finish(generation: Generation, watcher: asyncio.Task[None]) -> None:
+    watcher.cancel()
+    generation.close()
+
+
+class _Reply:
+    """Builds the response of one request; streaming keeps per-choice state here."""
+
+    def __init__(self, service: CompletionService, req: CompletionRequest, request_id: str,
+                 prompts: list[list[int]]) -> None:
+        self.service, self.req, self.request_id, self.prompts = service, req, request_id, prompts
+        self.n = req.n or 1
+        self.created = int(time.time())
+        self.finals: dict[int, RequestOutput] = {}  # latest output per prompt
+        self.text_offsets: dict[int, int] = {}  # per choice index, for logprobs
+        self.echoed: set[int] = set()
+        self.finish_sent: set[int] = set()
+
+    async def collect(self, generation: Generation, watcher: asyncio.Task[None]) -> Response:
+        try:
+            async for prompt_index, output in generation:
+                self.finals[prompt_index] = output
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody is listening
+        except RequestFailed as exc:
+            return JSONResponse(_server_error(str(exc)), status_code=500)
+        finally:
+            _finish(generation, watcher)
+        choices = [self._whole_choice(i, choice) for i in sorted(self.finals)
+                   for choice in self.finals[i].outputs]
+        # pydantic's JSON writes any stray NaN/inf as null: the body is always valid JSON
+        return Response(self._response(choices, self.usage()).model_dump_json(),
+                        media_type="application/json")
+
+    async def stream(self, generation: Generation,
+                     watcher: asyncio.Task[None]) -> AsyncIterator[str]:
+        try:
+            async for prompt_index, output in generation:
+                self.finals[prompt_index] = output
+                for choice in output.outputs:
+                    chunk = self._delta_choice(prompt_index, choice)
+                    if chunk is not None:
+                        yield sse_event(self._response([chunk], None))
+            if self.req.include_usage:
+                yield sse_event(self._response([], self.usage()))
+            yield SSE_DONE
+        except ClientDisconnected:
+            return
+        except RequestFailed as exc:
+            yield sse_event(json.dumps(_server_error(str(exc))))
+            yield SSE_DONE
+        finally:
+            _finish(generation, watcher)
+
+    def _response(self, choices: list[CompletionChoice], usage: Usage | None) -> Any:
+        return CompletionResponse(id=self.request_id, created=self.created,
+                                  model=self.service.model_name, choices=choices, usage=usage)
+
+    def usage(self) -> Usage:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for out in self.finals.values() for c in out.outputs)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                     total_tokens=prompt_tokens + completion)
+
+    def _whole_choice(self, prompt_index: int, choice: CompletionOutput) -> CompletionChoice:
+        index = prompt_index * self.n + choice.index
+        prefix = self._echo_prefix(prompt_index, index)
+        return CompletionChoice(index=index, text=prefix + choice.text,
+                                logprobs=self._logprobs(index, choice.token_ids,
+                                                        choice.logprobs, len(prefix)),
+                                finish_reason=choice.finish_reason)
+
+    def _delta_choice(self, prompt_index: int, choice: CompletionOutput) -> Any:
+        """The chunk for what this step added to one choice, or None if nothing to send."""
+        index = prompt_index * self.n + choice.index
+        finishing = choice.finished and index not in self.finish_sent
+        if not (choice.delta_text or choice.delta_token_ids or finishing):
+            return None
+        if finishing:
+            self.finish_sent.add(index)
+        prefix = self._echo_prefix(prompt_index, index)
+        return CompletionChoice(
+            index=index, text=prefix + choice.delta_text,
+            logprobs=self._logprobs(index, choice.delta_token_ids, choice.delta_logprobs,
+                                    len(prefix)),
+            finish_reason=choice.finish_reason if finishing else None)
+
+    def _echo_prefix(self, prompt_index: int, index: int) -> str:
+        if not self.req.echo or index in self.echoed:
+            return ""
+        self.echoed.add(index)
+        return self.service.tokenizer.decode(self.prompts[prompt_index])
+
+    def _logprobs(self, index: int, token_ids: list[int], logprobs: list[Any] | None,
+                  skip: int) -> CompletionLogprobs | None:
+        if self.req.logprobs is None:
+            return None
+        offset = self.text_offsets.get(index, 0) + skip
+        result = CompletionLogprobs()
+        for token_id, entry in zip(token_ids, logprobs or []):
+            text = self.service.token_text(token_id)
+            result.tokens.append(text)
+            result.text_offset.append(offset)
+            offset += len(text)
+            result.token_logprobs.append(
+                None if entry is None else finite_logprob(entry.token_logprob))
+            result.top_logprobs.append(None if entry is None else self._top(entry, text))
+        self.text_offsets[index] = offset
+        return result
+
+    def _top(self, entry: Any, sampled_text: str) -> dict[str, float]:
+        top = {self.service.token_text(t): finite_logprob(lp)
+               for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
+        top.setdefault(sampled_text, finite_logprob(entry.token_logprob))
+        return top
+
+
+def _server_error(message: str) -> dict[str, Any]:
+    return RequestError(message, code="internal_error", status=500,
+                        err_type="internal_server_error").body()
+

@@ -1,0 +1,146 @@
+"""Prometheus metrics under vLLM's names (`vllm:` prefix, `model_name` label), so dashboards
+built for vLLM work unchanged.
+
+Each app owns a CollectorRegistry: several apps in one process (tests) never collide.
+Two feeds update it:
+  * `observe_output` (event loop) for every RequestOutput delivered: token counters, and the
+    per-request histograms once a request finishes;
+  * `observe_stats` (engine thread) after every engine iteration: gauges, and the engine's
+    cumulative counters turned into Prometheus increments.
+prometheus-client is thread-safe, so the two feeds need no lock of their own.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.outputs import RequestMetrics, RequestOutput
+
+PREFIX = "vllm:"
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ENGINE_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+
+
+def one_two_five_buckets(maximum: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to maximum: vLLM's buckets for token counts."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > maximum:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._engine_totals = dict.fromkeys(ENGINE_COUNTERS, 0)
+        # plain totals for the periodic log line (Prometheus counters are write-only here)
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
+        tokens = one_two_five_buckets(max_model_len)
+        self.ttft = self._histogram("time_to_first_token_seconds",
+                                    "Time to first token", TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds",
+                                   "Time between consecutive output tokens", ITL_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds",
+                                   "Arrival to finish", LATENCY_BUCKETS)
+        self.queue_time = self._histogram("request_queue_time_seconds",
+                                          "Arrival to first scheduled", LATENCY_BUCKETS)
+        self.prompt_len = self._histogram("request_prompt_tokens", "Prompt length", tokens)
+        self.generation_len = self._histogram("request_generation_tokens",
+                                              "Tokens generated per request", tokens)
+        self.running = self._gauge("num_requests_running", "Sequences running")
+        self.waiting = self._gauge("num_requests_waiting", "Sequences waiting")
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "KV-cache usage, 1 is full")
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated")
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.engine_counters = {name: self._counter(name, name.replace("_", " "))
+                                for name in ENGINE_COUNTERS}
+
+    def _histogram(self, name: str, doc: str, buckets: list[Any]) -> Any:
+        return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
+
+    def _gauge(self, name: str, doc: str) -> Any:
+        return Gauge(PREFIX + name, doc, ["model_name"],
+                     registry=self.registry).labels(self.model_name)
+
+    def _counter(self, name: str, doc: str) -> Any:
+        return Counter(PREFIX + name, doc, ["model_name"],
+                       registry=self.registry).labels(self.model_name)
+
+    def observe_output(self, output: RequestOutput, first: bool) -> None:
+        """Count tokens as they stream; record latencies when the request finishes."""
+        if first:
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.total_prompt_tokens += len(output.prompt_token_ids)
+        new_tokens = sum(len(choice.delta_token_ids) for choice in output.outputs)
+        self.generation_tokens.inc(new_tokens)
+        self.total_generation_tokens += new_tokens
+        if output.finished:
+            self._observe_finished(output)
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        self.prompt_len.observe(len(output.prompt_token_ids))
+        for choice, timing in zip(output.outputs, output.metrics):
+            self.generation_len.observe(len(choice.token_ids))
+            if choice.finish_reason in ("stop", "length"):
+                self.request_success.labels(self.model_name, choice.finish_reason).inc()
+            self._observe_timing(timing)
+
+    def _observe_timing(self, timing: RequestMetrics) -> None:
+        if timing.first_scheduled_time is not None:
+            self.queue_time.observe(timing.first_scheduled_time - timing.arrival_time)
+        if timing.first_token_time is not None:
+            self.ttft.observe(timing.first_token_time - timing.arrival_time)
+        for before, after in zip(timing.token_times, timing.token_times[1:]):
+            self.itl.observe(after - before)
+        if timing.finish_time is not None:
+            self.e2e.observe(timing.finish_time - timing.arrival_time)
+
+    def observe_stats(self, stats: Any) -> None:
+        """Gauges from the engine's snapshot; its cumulative counts become increments."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        for name in ENGINE_COUNTERS:
+            total = getattr(stats, name)
+            self.engine_counters[name].inc(max(0, total - self._engine_totals[name]))
+            self._engine_totals[name] = total
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ThroughputLog:
+    """Builds the periodic log line: token rates since the previous line, queue and KV use."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self._last = (time.monotonic(), 0, 0)
+
+    def line(self, stats: Any, server_waiting: int) -> str:
+        now = time.monotonic()
+        prompt, generation = (self.metrics.total_prompt_tokens,
+                              self.metrics.total_generation_tokens)
+        then, last_prompt, last_generation = self._last
+        self._last = (now, prompt, generation)
+        elapsed = max(now - then, 1e-9)
+        hit_rate = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
+        return (f"prompt throughput {(prompt - last_prompt) / elapsed:.1f} tok/s, "
+                f"generation throughput {(generation - last_generation) / elapsed:.1f} tok/s, "
+                f"running {stats.num_running}, waiting {stats.num_waiting} "
+                f"(server queue {server_waiting}), KV cache {stats.kv_cache_usage:.1%}, "
+                f"prefix hit rate {hit_rate:.1%}, preemptions {stats.num_preemptions}")

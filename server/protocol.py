@@ -1,0 +1,301 @@
+"""Request and response shapes of the OpenAI-compatible API, and every input check.
+
+Parsing never raises pydantic's ValidationError to the caller: `parse_completion_request`
+turns every problem into a `RequestError` naming the offending field, which the app answers
+with HTTP 400 in OpenAI's error shape. Checks that need the model (vocabulary size, the n cap)
+take a `Limits`; the context-length check needs the tokenized prompt and lives in
+`check_context_length`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, \
+    ValidationError
+
+from engine.request import MAX_LOGPROBS, SamplingParams
+
+MAX_STOP_STRINGS = 4
+LOGIT_BIAS_LIMIT = 100.0
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class RequestError(Exception):
+    """A client mistake: answered with `status` and OpenAI's error body, naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value",
+                 status: int = 400, err_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+        self.status, self.err_type = status, err_type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type,
+                          "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model allows; checks that depend on it read it from here."""
+    vocab_size: int
+    max_model_len: int
+    max_n: int = 16
+
+
+Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
+
+
+class _Strict(BaseModel):
+    """NaN and inf are refused at parse time, so they never reach the engine or a response."""
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool | None = False
+
+
+class CompletionRequest(_Strict):
+    """POST /v1/completions. `None` means "use the default", as OpenAI clients send nulls."""
+    model: str | None = None
+    prompt: Any = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0.0)] | None = None
+    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[StrictInt, Field(ge=1)] | None = None
+    best_of: StrictInt | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: StrictBool | None = False
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
+    user: str | None = None
+    suffix: str | None = None
+    # vLLM extras
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=2.0)] | None = None
+    ignore_eos: StrictBool | None = False
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool | None = True  # accepted for vLLM parity; GPT-2 adds none
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validation_error_to_request_error(err: ValidationError) -> RequestError:
+    """Report the first problem, named by its top-level field (the `param` OpenAI uses)."""
+    first = err.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    param = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    message = f"{where}: {first['msg']}"
+    if first["type"] != "missing":
+        message += f" (got {_describe(first.get('input'))})"
+    return RequestError(message, param=param)
+
+
+def parse_model(model_cls: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as err:
+        raise validation_error_to_request_error(err) from None
+
+
+def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
+    request = parse_model(CompletionRequest, body)
+    _check_cross_fields(request, limits)
+    parse_prompt(request.prompt, limits.vocab_size)
+    _check_stop(request, limits.vocab_size)
+    parse_logit_bias(request.logit_bias, limits.vocab_size)
+    return request
+
+
+def _check_cross_fields(req: CompletionRequest, limits: Limits) -> None:
+    n = req.n or 1
+    if n > limits.max_n:
+        raise RequestError(f"n must be at most {limits.max_n}, got {n}", param="n")
+    if n > 1 and req.temperature == 0.0:
+        raise RequestError(f"n={n} with temperature=0 (greedy) would return {n} identical "
+                           "choices; use n=1 or a temperature > 0", param="n")
+    if req.best_of is not None and req.best_of != n:
+        raise RequestError("best_of is not supported unless it equals n", param="best_of")
+    if req.suffix is not None:
+        raise RequestError("suffix is not supported", param="suffix")
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options is only allowed when stream is true",
+                           param="stream_options")
+    if req.echo and req.logprobs is not None:
+        raise RequestError("echo with logprobs is not supported: the engine does not "
+                           "compute prompt logprobs", param="echo")
+    if (req.min_tokens or 0) > max_tokens_of(req):
+        raise RequestError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
+                           f"({max_tokens_of(req)})", param="min_tokens")
+
+
+PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def parse_prompt(prompt: Any, vocab_size: int) -> list[str | list[int]]:
+    """Normalise the four OpenAI prompt forms into a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    elif isinstance(prompt, list):
+        raise RequestError("prompt must not be empty", param="prompt")
+    else:
+        raise RequestError(f"prompt must be {PROMPT_FORMS}", param="prompt",
+                           code="invalid_type")
+    for i, one in enumerate(prompts):
+        _check_one_prompt(one, i, vocab_size)
+    return prompts
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_one_prompt(prompt: Any, index: int, vocab_size: int) -> None:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError(f"prompt[{index}] must not be an empty string", param="prompt")
+        return
+    if not isinstance(prompt, list) or not all(_is_token(t) for t in prompt):
+        raise RequestError(f"prompt must be {PROMPT_FORMS}", param="prompt",
+                           code="invalid_type")
+    if not prompt:
+        raise RequestError(f"prompt[{index}] must not be an empty token list", param="prompt")
+    check_tokens_in_vocab(prompt, vocab_size, param="prompt")
+
+
+def _check_stop(req: CompletionRequest, vocab_size: int) -> None:
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
+                           param="stop")
+    if any(not s for s in stops):
+        raise RequestError("stop strings must not be empty", param="stop")
+    check_tokens_in_vocab(req.stop_token_ids or [], vocab_size, param="stop_token_ids")
+
+
+def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """Keys are token ids written as strings; values are clamped to ±100 as OpenAI does."""
+    parsed: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        token = _parse_int(key)
+        if token is None or not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias key {key!r} is not a token id in "
+                               f"[0, {vocab_size})", param="logit_bias")
+        parsed[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, value))
+    return parsed
+
+
+def _parse_int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def check_tokens_in_vocab(tokens: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"{param} holds token id {bad}, outside the vocabulary "
+                           f"[0, {vocab_size})", param=param)
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Worded like vLLM's error so clients that parse it keep working."""
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {total} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in "
+            "the completion). Please reduce the length of the prompt or completion.",
+            param="max_tokens", code="context_length_exceeded")
+
+
+def to_sampling_params(req: CompletionRequest, vocab_size: int) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    return SamplingParams(
+        n=req.n or 1, max_tokens=max_tokens_of(req),
+        temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
+        top_k=_default(req.top_k, -1), min_p=_default(req.min_p, 0.0), seed=req.seed,
+        stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=bool(req.ignore_eos), min_tokens=req.min_tokens or 0,
+        presence_penalty=_default(req.presence_penalty, 0.0),
+        frequency_penalty=_default(req.frequency_penalty, 0.0),
+        repetition_penalty=_default(req.repetition_penalty, 1.0), logprobs=req.logprobs,
+        logit_bias=tuple(parse_logit_bias(req.logit_bias, vocab_size).items()))
+
+
+def max_tokens_of(req: CompletionRequest) -> int:
+    return _default(req.max_tokens, 16)
+
+
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    """Both the whole response and each streamed chunk (OpenAI uses one shape for both)."""
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+def finite_logprob(value: float) -> float:
+    """JSON has no NaN or inf; vLLM clamps the same way."""
+    return max(value, -9999.0) if math.isfinite(value) else -9999.0

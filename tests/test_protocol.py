@@ -1,0 +1,155 @@
+"""Input validation and response helpers of the HTTP server, without a server or a model."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from server.metrics import ServerMetrics, one_two_five_buckets
+from server.protocol import (Limits, RequestError, check_context_length, finite_logprob,
+                             parse_completion_request, parse_prompt, to_sampling_params)
+from server.completions import sse_event
+
+LIMITS = Limits(vocab_size=50257, max_model_len=1024, max_n=16)
+
+
+def rejects(body: dict, param: str | None) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        parse_completion_request(body, LIMITS)
+    err = info.value
+    assert err.status == 400 and err.param == param, (err.message, err.param)
+    assert err.body()["error"]["message"] and err.body()["error"]["type"]
+    return err
+
+
+BAD_BODIES = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": ["ok", ""]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [50257]}, "prompt"),
+    ({"prompt": [[1, 2], [3, 50257]]}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [True]}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "16"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "temperature": math.nan}, "temperature"),
+    ({"prompt": "x", "temperature": math.inf}, "temperature"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.01}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "presence_penalty": 2.01}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "n": 2, "temperature": 0}, "n"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "stop": ""}, "stop"),
+    ({"prompt": "x", "stop": ["a", ""]}, "stop"),
+    ({"prompt": "x", "stop": 3}, "stop"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"50257": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": math.nan}}, "logit_bias"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "stream": False, "stream_options": {}}, "stream_options"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stop_token_ids": [50257]}, "stop_token_ids"),
+    ({"prompt": "x", "min_tokens": 20}, "min_tokens"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_BODIES, ids=[repr(b)[:60] for b, _ in BAD_BODIES])
+def test_bad_body_names_the_field(body, param):
+    err = rejects(body, param)
+    assert param in err.message
+
+
+def test_body_must_be_an_object():
+    with pytest.raises(RequestError) as info:
+        parse_completion_request([1, 2], LIMITS)
+    assert info.value.code == "invalid_json"
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("hi", ["hi"]),
+    (["a", "b"], ["a", "b"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    ([[1], [2, 3]], [[1], [2, 3]]),
+])
+def test_prompt_forms(prompt, expected):
+    assert parse_prompt(prompt, 50257) == expected
+
+
+def test_context_length_message_states_the_numbers():
+    check_context_length(1000, 24, 1024)  # exactly full is fine
+    with pytest.raises(RequestError) as info:
+        check_context_length(1000, 25, 1024)
+    message = info.value.message
+    assert "1024" in message and "1025" in message and "1000 in the prompt" in message
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_defaults_and_vllm_extras_reach_sampling_params():
+    req = parse_completion_request({"prompt": "x"}, LIMITS)
+    params = to_sampling_params(req, LIMITS.vocab_size)
+    assert (params.max_tokens, params.temperature, params.n, params.top_k) == (16, 1.0, 1, -1)
+    req = parse_completion_request({
+        "prompt": "x", "max_tokens": 5, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.2,
+        "ignore_eos": True, "min_tokens": 2, "stop_token_ids": [7], "stop": "end",
+        "seed": 3, "logit_bias": {"5": 500, "6": -1e9}, "n": 2, "temperature": 0.5}, LIMITS)
+    params = to_sampling_params(req, LIMITS.vocab_size)
+    assert params.top_k == 3 and params.ignore_eos and params.min_tokens == 2
+    assert params.stop == ("end",) and params.stop_token_ids == (7,) and params.seed == 3
+    assert dict(params.logit_bias) == {5: 100.0, 6: -100.0}  # clamped to ±100
+
+
+def test_nulls_mean_defaults():
+    """The openai client sends explicit nulls for parameters left unset."""
+    body = {"prompt": "x", "max_tokens": None, "temperature": None, "n": None, "stop": None,
+            "logprobs": None, "best_of": None, "suffix": None, "echo": None}
+    params = to_sampling_params(parse_completion_request(body, LIMITS), LIMITS.vocab_size)
+    assert params.max_tokens == 16 and params.n == 1 and params.logprobs is None
+
+
+def test_finite_logprob():
+    assert finite_logprob(-1.5) == -1.5
+    assert finite_logprob(-math.inf) == -9999.0
+    assert finite_logprob(math.nan) == -9999.0
+
+
+def test_sse_event_format():
+    assert sse_event('{"a": 1}') == 'data: {"a": 1}\n\n'
+
+
+def test_one_two_five_buckets():
+    assert one_two_five_buckets(1024) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+
+
+def test_metric_names_are_vllm_compatible():
+    metrics = ServerMetrics("m", 1024)
+    text = metrics.render().decode()
+    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+                 "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        assert f'{name}' in text and 'model_name="m"' in text, name
+    assert "vllm:request_success" in text

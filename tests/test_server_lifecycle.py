@@ -1,0 +1,206 @@
+"""Server behaviour under pressure and at its edges: the API key, the waiting-queue cap (503,
+then recovery), engine-side rejections, failure containment, and SIGTERM drain."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+
+import httpx
+import pytest
+
+from engine import LLMEngine, SamplingParams
+from engine.config import load_config
+from server.async_engine import AsyncEngine, RequestFailed
+from server.protocol import RequestError
+from server_harness import ServerProcess, metric, wait_for
+
+KEY = "s3cret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG = {"prompt": "keep going", "max_tokens": 600, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    """One sequence at a time and a 2-request waiting queue make the queue easy to fill."""
+    proc = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("srv") / "server.log",
+                         "--max-num-seqs", "1", "--max-queued-requests", "2",
+                         "--num-kv-blocks", "40", "--api-key", KEY,
+                         "--shutdown-timeout", "20")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture()
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60, headers=AUTH) as c:
+        yield c
+
+
+def test_api_key_guards_v1_routes_only(server):
+    url = server.url
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"}
+                     ).status_code == 401
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
+    for sneaky in ("/%76%31/models", "/%2Fv1/models", "//v1/models", "/V1/models"):
+        assert httpx.get(url + sneaky).status_code in (401, 404), sneaky
+    for open_path in ("/health", "/metrics", "/version"):
+        assert httpx.get(url + open_path).status_code == 200, open_path
+
+
+def test_engine_side_rejection_is_a_400(http):
+    """40 blocks of 16 hold 640 tokens, under the 1024 context: only the engine knows."""
+    response = http.post("/v1/completions", json={"prompt": [5] * 600, "max_tokens": 40})
+    assert response.status_code == 200
+    response = http.post("/v1/completions", json={"prompt": [5] * 600, "max_tokens": 41})
+    assert response.status_code == 400, response.text
+    assert "640" in response.json()["error"]["message"]
+
+
+def open_stream(http: httpx.Client, body: dict):
+    """Enter a streaming request: returns once the headers arrived (the engine took it)."""
+    context = http.stream("POST", "/v1/completions", json=body)
+    response = context.__enter__()
+    assert response.status_code == 200, response.read()
+    return context, response
+
+
+def test_queue_cap_answers_503_then_recovers(server, http):
+    running_ctx, running = open_stream(http, LONG)
+    lines = running.iter_lines()  # keep a reference: a collected iterator closes the stream
+    assert next(lines).startswith("data: ")  # producing: no longer waiting
+    queued = [open_stream(http, LONG) for _ in range(2)]  # max_num_seqs=1: these wait
+    refused = http.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "queue_full"
+    running_ctx.__exit__(None, None, None)  # frees the slot: the first queued one runs
+    assert wait_for(lambda: metric(server.url, "vllm:num_requests_waiting") == 1)
+    for context, _ in queued:
+        context.__exit__(None, None, None)
+    accepted = http.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+    assert accepted.status_code == 200 and len(accepted.json()["choices"]) == 1
+    assert wait_for(lambda: metric(server.url, "vllm:num_requests_running") == 0
+                    and metric(server.url, "vllm:kv_cache_usage_perc") == 0)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(server, http):
+    """Last in this module: it ends the server."""
+    body = {**LONG, "max_tokens": 300}
+    context, response = open_stream(http, body)
+    lines = response.iter_lines()
+    first = next(lines)
+    server.proc.send_signal(signal.SIGTERM)
+    assert wait_for(lambda: not _accepts_connections(server.url), timeout=5)
+    events = [first] + [line for line in lines if line.startswith("data: ")]
+    context.__exit__(None, None, None)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(timeout=20) in (0, -signal.SIGTERM)
+    assert "Finished server process" in server.log()
+
+
+def _accepts_connections(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=0.5)
+        return True
+    except httpx.TransportError:
+        return False
+
+
+# ---- failure containment, in-process against the real engine ----------------------------
+
+POISON = [13, 13, 13]
+
+
+class FaultyEngine:
+    """The real engine, plus faults on demand: a poisoned prompt, or a step that blows up."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.explode = threading.Event()
+
+    def add_request(self, request_id, prompt, params):
+        if prompt == POISON:
+            raise RuntimeError("poisoned prompt")
+        self.engine.add_request(request_id, prompt, params)
+
+    def step(self):
+        if self.explode.is_set():
+            raise RuntimeError("step blew up")
+        return self.engine.step()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return LLMEngine(load_config(model=str(tiny_checkpoint), device="cpu", dtype="float32",
+                                 attention_backend="torch", num_kv_blocks=128))
+
+
+async def _run(async_engine: AsyncEngine, request_id: str, prompt: list[int],
+               max_tokens: int = 8) -> str:
+    generation = async_engine.generate(request_id, [prompt], SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    try:
+        await generation.accepted()
+        outputs = [output async for _, output in generation]
+        return outputs[-1].text
+    finally:
+        generation.close()
+
+
+def _results(engine, coroutines_of, observe_output=lambda o, f: None):
+    async def main():
+        async_engine = AsyncEngine(FaultyEngine(engine), 16, observe_output=observe_output)
+        async_engine.start()
+        try:
+            results = await asyncio.gather(*coroutines_of(async_engine),
+                                           return_exceptions=True)
+            return results, async_engine
+        finally:
+            await async_engine.stop()
+    return asyncio.run(main())
+
+
+def test_a_failing_add_fails_only_that_request(engine):
+    results, async_engine = _results(engine, lambda ae: [
+        _run(ae, "good-a", [1, 2, 3]), _run(ae, "bad", POISON), _run(ae, "good-b", [4, 5])])
+    assert isinstance(results[0], str) and isinstance(results[2], str)
+    assert isinstance(results[1], RequestFailed) and "poisoned" in str(results[1])
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_failing_output_handler_fails_only_that_request(engine):
+    def observe(output, first):
+        if output.request_id.startswith("bad"):
+            raise ValueError("cannot handle this output")
+    results, _ = _results(engine, lambda ae: [
+        _run(ae, "good", [1, 2, 3]), _run(ae, "bad", [7, 8])], observe)
+    assert isinstance(results[0], str)
+    assert isinstance(results[1], RequestFailed) and "cannot handle" in str(results[1])
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_dying_loop_fails_requests_and_turns_unhealthy(engine):
+    async def scenario():
+        async_engine = AsyncEngine(FaultyEngine(engine), 16)
+        async_engine.start()
+        pending = asyncio.create_task(_run(async_engine, "victim", [1, 2], max_tokens=500))
+        await asyncio.sleep(0.2)
+        async_engine.engine.explode.set()
+        with pytest.raises(RequestFailed, match="blew up"):
+            await pending
+        assert not async_engine.healthy
+        with pytest.raises(RequestError) as refused:
+            async_engine.generate("late", [[1]], SamplingParams())
+        assert refused.value.status == 503
+        await async_engine.stop()
+    asyncio.run(scenario())
+    assert not engine.has_unfinished_requests()
