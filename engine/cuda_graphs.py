@@ -53,19 +53,21 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         n = self.sizes[-1]
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.token_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), -1, **i64)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)
-        self.seq_lens = torch.ones(n, **i32)
-        self.query_start_loc = torch.arange(n + 1, **i32)
-        # pinned staging: one non-blocking copy per buffer per step
-        self._staging = {name: torch.zeros_like(getattr(self, name), device="cpu").pin_memory()
-                         for name in ("token_ids", "positions", "slot_mapping", "block_tables",
-                                      "seq_lens")}
+        self.max_blocks_per_seq = max_blocks_per_seq
+        # two packed buffers, so a step is two host-to-device copies, not five:
+        #   int64 [3, n]:  token ids | positions | slot mapping
+        #   int32 flat:    seq_lens (n) | block tables (n x max_blocks_per_seq)
+        self._ids64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self._ids32 = torch.zeros(n * (1 + max_blocks_per_seq), dtype=torch.int32, device=device)
+        self._ids64_host = torch.zeros_like(self._ids64, device="cpu").pin_memory()
+        self._ids32_host = torch.zeros_like(self._ids32, device="cpu").pin_memory()
+        self.token_ids, self.positions, self.slot_mapping = self._ids64
+        self.seq_lens = self._ids32[:n]
+        self.block_tables = self._ids32[n:].view(n, max_blocks_per_seq)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.greedy: dict[int, torch.Tensor] = {}  # argmax of the logits, captured too
 
     @property
     def max_batch(self) -> int:
@@ -93,30 +95,35 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[size] = self._forward(size)
+                self.greedy[size] = self.logits[size].argmax(dim=-1)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def run(self, inputs: DecodeInputs) -> torch.Tensor:
-        """Replay the graph for this batch; returns logits [B, vocab] (a view valid until the
-        next replay)."""
+    def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph for this batch. Returns logits [B, vocab] and their argmax [B],
+        views valid until the next replay."""
         batch = len(inputs.token_ids)
         size = next(s for s in self.sizes if s >= batch)
-        self._stage("token_ids", inputs.token_ids, size, 0)
-        self._stage("positions", inputs.positions, size, 0)
-        self._stage("slot_mapping", inputs.slot_mapping, size, -1)
-        self._stage("block_tables", inputs.block_tables, size, 0)
-        self._stage("seq_lens", inputs.seq_lens, size, 1)
+        self._stage(inputs, size)
         self.graphs[size].replay()
-        return self.logits[size][:batch]
+        return self.logits[size][:batch], self.greedy[size][:batch]
 
-    def _stage(self, name: str, values: np.ndarray, size: int, pad: int) -> None:
-        """Copy rows [0, B) and padding rows [B, size) through pinned memory to the buffer.
-        Reusing the staging memory is safe because each step ends with a host sync on the
+    def _stage(self, inputs: DecodeInputs, size: int) -> None:
+        """Write rows [0, B) and padding rows [B, size) into pinned memory, then copy.
+        Reusing the pinned memory is safe because each step ends with a host sync on the
         sampled tokens, after which the previous step's copies have completed."""
-        staging = self._staging[name][:size]
-        host = staging.numpy()
-        host[:len(values)] = values
-        host[len(values):] = pad
-        getattr(self, name)[:size].copy_(staging, non_blocking=True)
+        batch, n = len(inputs.token_ids), self.sizes[-1]
+        ids64 = self._ids64_host.numpy()
+        ids64[:, :batch] = (inputs.token_ids, inputs.positions, inputs.slot_mapping)
+        ids64[:, batch:size] = np.array([[0], [0], [-1]])
+        ids32 = self._ids32_host.numpy()
+        ids32[:batch] = inputs.seq_lens
+        ids32[batch:size] = 1
+        tables = ids32[n:].reshape(n, self.max_blocks_per_seq)
+        tables[:batch] = inputs.block_tables
+        tables[batch:size] = 0
+        self._ids64[:, :size].copy_(self._ids64_host[:, :size], non_blocking=True)
+        used = n + size * self.max_blocks_per_seq
+        self._ids32[:used].copy_(self._ids32_host[:used], non_blocking=True)

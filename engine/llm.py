@@ -85,6 +85,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self._groups: dict[str, _Group] = {}
         self._choice_of: dict[str, tuple[_Group, _Choice]] = {}  # sequence id -> owner
+        self._sampled: list = []  # (request, logprobs) of the last step, not yet output
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
@@ -131,21 +132,39 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        """One engine iteration, pipelined so host work overlaps the device:
+
+            schedule N ─▶ launch N ─▶ [outputs of N-1: detokenize, stop strings] ─▶ wait N ─▶ update N
+
+        Outputs therefore reach the caller one step after their tokens were sampled. A stop
+        string found for a request already launched in step N only wastes that token: update
+        skips finished requests, and freed blocks are handed out again only by the next
+        schedule, after step N has finished writing them."""
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return []
-        result = self.runner.execute(scheduled)
-        logprobs = dict(zip(result.request_ids, result.logprobs))
+        pending = None if scheduled.is_empty else self.runner.launch(scheduled)
+        outputs = self._process(self._sampled)
+        self._sampled = []
+        if pending is not None:
+            result = pending.wait()
+            logprobs = dict(zip(result.request_ids, result.logprobs))
+            self._sampled = [(request, logprobs.get(request.request_id))
+                             for request in self.scheduler.update(scheduled, result)]
+        return outputs
+
+    def _process(self, sampled: list) -> list[RequestOutput]:
         changed: dict[str, _Group] = {}
-        for request in self.scheduler.update(scheduled, result):
-            group, choice = self._choice_of[request.request_id]
-            self._apply_token(choice, logprobs.get(request.request_id))
+        for request, token_logprobs in sampled:
+            owner = self._choice_of.get(request.request_id)
+            if owner is None:
+                continue  # aborted since its token was sampled
+            group, choice = owner
+            self._apply_token(choice, request.output_token_ids[len(choice.output.token_ids)],
+                              token_logprobs)
             changed[group.request_id] = group
         return [self._emit(group) for group in changed.values()]
 
-    def _apply_token(self, choice: _Choice, token_logprobs) -> None:
+    def _apply_token(self, choice: _Choice, token: int, token_logprobs) -> None:
         request, out = choice.request, choice.output
-        token = request.output_token_ids[-1]
         finished = request.status.is_finished
         out.delta_text += choice.stream.add(token, final=finished)
         out.delta_token_ids.append(token)

@@ -20,7 +20,7 @@ from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.layers import TORCH_OPS, Ops
 from engine.models.gpt2 import load_gpt2
 from engine.request import SamplingParams
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SamplerOutput, is_plain_greedy
 
 log = logging.getLogger(__name__)
 
@@ -224,26 +224,53 @@ class ModelRunner:
         self.execute(SchedulerOutput(seqs))
         del self.kv_caches
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Forward the scheduled tokens, writing their KV, and sample for sample=True sequences."""
-        to_sample = [s for s in out.sequences if s.sample]
-        logits = self.compute_logits(out)
-        if not to_sample:
-            return RunnerOutput([], [], [])
-        token_ids, logprobs = self.sampler(logits, to_sample).to_lists()
-        return RunnerOutput([s.request_id for s in to_sample], token_ids, logprobs)
+        """Forward the scheduled tokens, writing their KV, and sample for sample=True
+        sequences; waits for the result."""
+        return self.launch(out).wait()
 
     @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """Queue the step on the device and start copying its tokens back; returns at once."""
+        to_sample = [s for s in out.sequences if s.sample]
+        if not to_sample:
+            self._forward(out)  # prompt chunks only: nothing to sample
+            return PendingStep([], None)
+        logits, greedy = self._forward(out)
+        if greedy is not None and is_plain_greedy(to_sample):
+            sampled = SamplerOutput(greedy, [], [])
+        else:
+            sampled = self.sampler(logits, to_sample)
+        sampled.begin_host_copy()
+        return PendingStep([s.request_id for s in to_sample], sampled)
+
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the forward (writing KV) and return float32 logits [num sample=True seqs, vocab]
         at each sampling sequence's last token. Exposed for tests and scoring."""
+        with torch.inference_mode():
+            return self._forward(out)[0]
+
+    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the sampling rows, plus their argmax when a decode graph computed it."""
         if out.is_empty:
-            return torch.empty(0, self.model.config.vocab_size, device=self.device)
+            return torch.empty(0, self.model.config.vocab_size, device=self.device), None
         host = prepare_host_inputs(out.sequences, self.block_size, self.max_blocks_per_seq)
         if (self.graphs is not None and host.is_decode_only
                 and len(out.sequences) <= self.graphs.max_batch):
             return self.graphs.run(host.decode_inputs())  # decodes always sample
         step = to_device(host, self.device)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-        return self.model.compute_logits(hidden[step.sample_indices])
+        return self.model.compute_logits(hidden[step.sample_indices]), None
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled tokens are on their way to the host."""
+    request_ids: list[str]
+    sampled: SamplerOutput | None
+
+    def wait(self) -> RunnerOutput:
+        if self.sampled is None:
+            return RunnerOutput([], [], [])
+        token_ids, logprobs = self.sampled.to_lists()
+        return RunnerOutput(self.request_ids, token_ids, logprobs)

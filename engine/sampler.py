@@ -13,7 +13,7 @@ without a CDF search; a seeded request draws its E from its own generator, seede
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,29 +33,43 @@ class SamplerOutput:
     sampled_logprobs: torch.Tensor | None = None  # [len(logprob_rows)]
     top_ids: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)]
     top_logprobs: torch.Tensor | None = None
+    host: list[torch.Tensor] | None = field(default=None, repr=False)  # once copies started
+    ready: torch.cuda.Event | None = field(default=None, repr=False)  # when they landed
 
-    def to_lists(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def begin_host_copy(self) -> None:
+        """Start every device-to-host copy (into pinned memory) and mark when they land,
+        without waiting: the host can do other work while the step finishes."""
         tensors = [self.token_ids]
         if self.logprob_rows:
             tensors += [self.sampled_logprobs, self.top_ids, self.top_logprobs]
-        host = to_host(tensors)
-        token_ids = host[0].tolist()
+        if not tensors[0].is_cuda:
+            self.host = tensors
+            return
+        self.host = [t.to("cpu", non_blocking=True) for t in tensors]
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def to_lists(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Wait for the copies (one sync per step) and convert to Python lists."""
+        if self.host is None:
+            self.begin_host_copy()
+        if self.ready is not None:
+            self.ready.synchronize()
+        token_ids = self.host[0].tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         if self.logprob_rows:
-            sampled, top_ids, top_lps = (t.tolist() for t in host[1:])
+            sampled, top_ids, top_lps = (t.tolist() for t in self.host[1:])
             for j, (row, k) in enumerate(zip(self.logprob_rows, self.num_top)):
                 logprobs[row] = TokenLogprobs(sampled[j], top_ids[j][:k], top_lps[j][:k])
         return token_ids, logprobs
 
 
-def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Start every device-to-host copy, then wait once (non_blocking copies land in pinned
-    memory), instead of one blocking sync per tensor."""
-    if not tensors[0].is_cuda:
-        return tensors
-    host = [t.to("cpu", non_blocking=True) for t in tensors]
-    torch.cuda.current_stream(tensors[0].device).synchronize()
-    return host
+def is_plain_greedy(seqs: list[ScheduledSequence]) -> bool:
+    """Greedy with nothing that changes the logits or asks for logprobs: the argmax of the
+    raw logits is the answer (argmax also turns NaN rows into a valid token id)."""
+    return all(s.params.greedy and s.params.logprobs is None and not s.params.logit_bias
+               and not s.params.needs_penalties and s.num_output_tokens >= s.params.min_tokens
+               for s in seqs)
 
 
 class Sampler:
