@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from engine.request import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per sequence per step: slots, not frozen, for speed; read-only
 class ScheduledSequence:
     request_id: str
     token_ids: list[int]  # the new tokens whose KV this step computes

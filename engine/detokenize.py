@@ -32,8 +32,9 @@ class TextStream:
         return self._emit(self._pending + piece, final)
 
     def _emit(self, buffer: str, final: bool) -> str:
-        hit = min(((buffer.find(s), s) for s in self._stop if s in buffer), default=None)
-        if hit is not None:
+        hit = min(((buffer.find(s), s) for s in self._stop if s in buffer),
+                  default=None) if self._stop else None
+        if hit:
             index, self.stopped_by = hit
             out, self._pending = buffer[:index], ""
         elif final or self._holdback == 0:

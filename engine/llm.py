@@ -49,6 +49,14 @@ class _Choice:
                                        logprobs=[] if request.params.logprobs is not None
                                        else None)
 
+    def snapshot(self) -> CompletionOutput:
+        """A copy the caller may keep while this choice goes on growing."""
+        out = self.output
+        return CompletionOutput(
+            out.index, out.text, list(out.token_ids),
+            None if out.logprobs is None else list(out.logprobs), out.finish_reason,
+            out.stop_reason, out.delta_text, out.delta_token_ids, out.delta_logprobs)
+
 
 @dataclass
 class _Group:
@@ -65,10 +73,7 @@ class _Group:
                                   finish_time=c.request.finish_time,
                                   num_cached_tokens=c.request.num_cached_tokens)
                    for c in self.choices]
-        outputs = [replace(c.output, token_ids=list(c.output.token_ids),
-                           delta_token_ids=list(c.output.delta_token_ids),
-                           logprobs=None if c.output.logprobs is None else list(c.output.logprobs))
-                   for c in self.choices]
+        outputs = [c.snapshot() for c in self.choices]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              metrics, error)
 
@@ -183,7 +188,7 @@ class LLMEngine:
     def _emit(self, group: _Group) -> RequestOutput:
         """Snapshot the group's outputs, then reset the per-step deltas."""
         output = group.to_output()
-        for choice in group.choices:
+        for choice in group.choices:  # the snapshot took the delta lists: start new ones
             choice.output.delta_text = ""
             choice.output.delta_token_ids = []
             choice.output.delta_logprobs = None

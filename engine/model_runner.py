@@ -71,8 +71,10 @@ class HostInputs:
     max_query_len: int
 
     @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
+    def is_decode_step(self) -> bool:
+        """One new token per sequence and every sequence samples (a 1-token prompt chunk
+        that does not reach the end of its prompt has max_query_len 1 but no sample)."""
+        return self.max_query_len == 1 and len(self.sample_indices) == len(self.seq_lens)
 
     def decode_inputs(self) -> DecodeInputs:
         return DecodeInputs(self.token_ids, self.positions, self.slot_mapping,
@@ -90,6 +92,8 @@ class StepInputs:
 def prepare_host_inputs(seqs: list[ScheduledSequence], block_size: int,
                         max_blocks_per_seq: int) -> HostInputs:
     """Varlen inputs of one step, computed with numpy over the whole batch at once."""
+    if all(len(s.token_ids) == 1 and s.sample for s in seqs):
+        return _decode_host_inputs(seqs, block_size, max_blocks_per_seq)
     new_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
     starts = np.array([s.start_position for s in seqs], dtype=np.int64)
     query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
@@ -97,9 +101,7 @@ def prepare_host_inputs(seqs: list[ScheduledSequence], block_size: int,
     num_tokens = int(query_start_loc[-1])
     seq_of_token = np.repeat(np.arange(len(seqs)), new_lens)
     positions = starts[seq_of_token] + np.arange(num_tokens) - query_start_loc[seq_of_token]
-    block_tables = np.zeros((len(seqs), max_blocks_per_seq), dtype=np.int32)
-    for row, s in enumerate(seqs):
-        block_tables[row, :len(s.block_ids)] = s.block_ids
+    block_tables = _block_table_array(seqs, max_blocks_per_seq)
     block_of_token = block_tables[seq_of_token, positions // block_size].astype(np.int64)
     token_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs),
                             dtype=np.int64, count=num_tokens)
@@ -110,6 +112,33 @@ def prepare_host_inputs(seqs: list[ScheduledSequence], block_size: int,
         query_start_loc=query_start_loc.astype(np.int32),
         sample_indices=(query_start_loc[1:] - 1)[[s.sample for s in seqs]],
         max_query_len=int(new_lens.max()))
+
+
+def _block_table_array(seqs: list[ScheduledSequence], width: int) -> np.ndarray:
+    """Ragged block ids as a zero-padded [S, width] array (a row loop measured faster than
+    building one flat array and scattering it)."""
+    table = np.zeros((len(seqs), width), dtype=np.int32)
+    for row, s in enumerate(seqs):
+        table[row, :len(s.block_ids)] = s.block_ids
+    return table
+
+
+def _decode_host_inputs(seqs: list[ScheduledSequence], block_size: int,
+                        max_blocks_per_seq: int) -> HostInputs:
+    """The common decode step (one token per sequence, all sampling), with plain lists: one token per sequence needs none of
+    the varlen index arithmetic, whose numpy call overheads dominate at decode batch sizes."""
+    positions = [s.start_position for s in seqs]
+    slots = [s.block_ids[p // block_size] * block_size + p % block_size
+             for s, p in zip(seqs, positions)]
+    rows = np.arange(len(seqs), dtype=np.int64)
+    return HostInputs(
+        token_ids=np.array([s.token_ids[0] for s in seqs], dtype=np.int64),
+        positions=np.array(positions, dtype=np.int64),
+        slot_mapping=np.array(slots, dtype=np.int64),
+        block_tables=_block_table_array(seqs, max_blocks_per_seq),
+        seq_lens=np.array(positions, dtype=np.int32) + 1,
+        query_start_loc=np.arange(len(seqs) + 1, dtype=np.int32),
+        sample_indices=rows, max_query_len=1)
 
 
 def to_device(host: HostInputs, device: torch.device) -> StepInputs:
@@ -255,9 +284,9 @@ class ModelRunner:
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, device=self.device), None
         host = prepare_host_inputs(out.sequences, self.block_size, self.max_blocks_per_seq)
-        if (self.graphs is not None and host.is_decode_only
+        if (self.graphs is not None and host.is_decode_step
                 and len(out.sequences) <= self.graphs.max_batch):
-            return self.graphs.run(host.decode_inputs())  # decodes always sample
+            return self.graphs.run(host.decode_inputs())
         step = to_device(host, self.device)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         return self.model.compute_logits(hidden[step.sample_indices]), None

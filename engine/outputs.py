@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from engine.batch import TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timestamps in time.monotonic() seconds, recorded inside the engine."""
     arrival_time: float
@@ -17,7 +17,7 @@ class RequestMetrics:
     num_cached_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One of the n choices. `text`/`token_ids` are cumulative; `delta_*` are what this step
     added (what a stream sends). Text withheld because it may begin a stop string is released

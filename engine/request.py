@@ -30,8 +30,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED_STATUSES
+
+
+_FINISHED_STATUSES = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                                RequestStatus.FINISHED_ABORTED})
 
 
 @dataclass(frozen=True)

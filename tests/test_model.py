@@ -75,7 +75,7 @@ def test_chunked_prefill_then_decode_matches_full_forward(runner, hf_model):
     """Sequence A prefills in chunks of 4, 5, 2 while B (already prefilled) decodes beside it;
     then both decode. Every step's logits must equal HF's on the whole sequence so far."""
     a, b = random_tokens(11, 20), random_tokens(6, 21)
-    blocks_a, blocks_b = [12, 6, 33, 1, 25], [14, 2, 8]
+    blocks_a, blocks_b = [12, 6, 33, 1, 25], [14, 2, 8, 19]
     runner.compute_logits(SchedulerOutput([chunk("b", b, 0, 6, blocks_b)]))
     for start, end in [(0, 4), (4, 9), (9, 11)]:
         b.append(int(hf_logits(hf_model, b)[-1].argmax()))
@@ -163,3 +163,24 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(FileNotFoundError, match="'openai-community/gpt2'.*could not be fetched"):
         load_gpt2("openai-community/gpt2", torch.float32, "cpu", TORCH_OPS, TorchAttention())
+
+
+def test_host_inputs_decode_fast_path_equals_general_path():
+    """The list-based decode path and the numpy varlen path build identical inputs, and a
+    1-token prompt chunk that does not sample is never taken for a decode."""
+    from engine.model_runner import _decode_host_inputs, prepare_host_inputs
+
+    params = SamplingParams()
+    seqs = [ScheduledSequence("a", [7], 37, [4, 9, 2], True, params),
+            ScheduledSequence("b", [3], 0, [5], True, params),
+            ScheduledSequence("c", [11], 16, [1, 8], True, params)]
+    fast = _decode_host_inputs(seqs, 16, 4)
+    general = prepare_host_inputs(seqs + [ScheduledSequence("d", [1, 2], 0, [3], True, params)],
+                                  16, 4)
+    for name in ("token_ids", "positions", "slot_mapping", "block_tables", "seq_lens"):
+        assert getattr(fast, name).tolist() == getattr(general, name)[:3].tolist(), name
+    assert fast.slot_mapping.tolist() == [2 * 16 + 5, 5 * 16, 8 * 16]
+    chunk = ScheduledSequence("e", [5], 3, [6], False, params)  # mid-prompt, 1 token
+    mixed = prepare_host_inputs(seqs + [chunk], 16, 4)
+    assert not mixed.is_decode_step and mixed.sample_indices.tolist() == [0, 1, 2]
+    assert prepare_host_inputs(seqs, 16, 4).is_decode_step
