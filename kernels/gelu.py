@@ -2,7 +2,7 @@
 
 gelu_tanh(z) = 0.5 z (1 + tanh(u)) with u = sqrt(2/pi) (z + 0.044715 z^3). Since
 0.5 (1 + tanh(u)) = sigmoid(2u), the kernel computes z / (1 + exp(-2u)) with exp2, which is
-stable at both tails (exp overflows to inf -> result 0; underflows to 0 -> result z).
+stable at both tails (huge exp -> result 0; exp underflows to 0 -> result z).
 Elements are walked flat so no block is partly empty at row ends; the bias column is
 offset % n_cols. Reference: `engine.layers.bias_gelu`.
 """
@@ -12,7 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG_2_SQRT_2_OVER_PI_LOG2E = -2.0 * 0.7978845608028654 * 1.4426950408889634
+
+@triton.jit
+def gelu_tanh(z):
+    """GELU(tanh) of fp32 z; shared with the skinny GEMM epilogue."""
+    u = 0.7978845608028654 * (z + 0.044715 * z * z * z)  # sqrt(2/pi) (z + 0.044715 z^3)
+    # exp(-2u) = 2^(-2 log2(e) u); capped below fp32 overflow, where z / 2^126 is 0 anyway
+    return z / (1.0 + tl.exp2(tl.minimum(-2.8853900817779268 * u, 126.0)))
 
 
 @triton.jit
@@ -21,8 +27,7 @@ def _bias_gelu_kernel(x_ptr, bias_ptr, out_ptr, numel, n_cols, BLOCK: tl.constex
     mask = offs < numel
     z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     z += tl.load(bias_ptr + offs % n_cols, mask=mask, other=0.0).to(tl.float32)
-    y = z / (1.0 + tl.exp2(_NEG_2_SQRT_2_OVER_PI_LOG2E * (z + 0.044715 * z * z * z)))
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, gelu_tanh(z).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,12 @@ def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, n_cols, e
     row = tl.program_id(0).to(tl.int64) * n_cols
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        x = x + tl.load(res_ptr + row + cols, mask=mask, other=0.0)
+        x += tl.load(res_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(sum_ptr.dtype.element_ty)  # round once, as the unfused add does
         tl.store(sum_ptr + row + cols, x, mask=mask)
-    x = x.to(tl.float32)
+        x = x.to(tl.float32)
     mean = tl.sum(x, axis=0) / n_cols
     centered = tl.where(mask, x - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)

@@ -3,7 +3,7 @@
 One program per token copies that token's whole [num_heads * head_dim] row of K and of V into
 its slot. Both rows are contiguous in the cache, and in `k`/`v` whenever heads are packed
 (the usual view of a fused QKV projection), so each program moves two unit-stride runs.
-Slot -1 marks padding: the store is masked off, so padding never touches the cache.
+Slot -1 marks padding: its program returns before touching the cache.
 The torch reference is `engine.attention.store_kv_reference`.
 """
 from __future__ import annotations
@@ -19,10 +19,12 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
     offs = tl.arange(0, BLOCK)
     head = offs // HEAD_DIM
     dim = offs % HEAD_DIM
-    mask = (offs < NUM_HEADS * HEAD_DIM) & (slot >= 0)
+    mask = offs < NUM_HEADS * HEAD_DIM
     src_k = k_ptr + token.to(tl.int64) * stride_kt + head * stride_kh + dim
     src_v = v_ptr + token.to(tl.int64) * stride_vt + head * stride_vh + dim
     dst = slot * stride_cs + head * stride_ch + dim

@@ -1,0 +1,268 @@
+"""Paged attention over the block-table KV cache: a decode kernel and a varlen prefill kernel.
+
+Both walk a sequence's context in tiles of BLOCK_N token positions. A tile need not line up
+with cache blocks: each position looks up its own block id, so any power-of-two block size works
+with any tile size. Every row of a tile is one token's head vector, HEAD_DIM contiguous elements
+(128 bytes for GPT-2's fp16 head_dim 64), so a tile load is BLOCK_N fully coalesced segments.
+
+    block_table  [ 7 | 2 | 9 ]                 block_size 4, BLOCK_N 8
+    positions    0..3  4..7  8..11
+    tile 0       |--- blocks 7, 2 ---|         rows = block_id * block_size + pos % block_size
+    tile 1                           |-- 9 --|  (positions >= seq_len are masked)
+
+Softmax is online (running max m, running sum l, rescaled accumulator) in fp32, in base 2 with
+log2(e) folded into the scale, so no [queries x context] score matrix ever reaches memory.
+
+Decode (one query per sequence) is memory bound: it must stream the whole K/V context once.
+Grid (seq, head, split). With few sequences, seq x head programs cannot fill the GPU, so the
+context is cut into `splits` equal ranges (flash-decoding); each program writes its partial
+(acc / l, log2-sum-exp) and a second kernel merges the splits:
+
+    seq s, head h:  | split 0 | split 1 | split 2 |  -> partial (o_i, lse_i) each
+                    out = sum_i 2^(lse_i - max lse) o_i / sum_i 2^(lse_i - max lse)
+
+Prefill (many queries per sequence, varlen) is FlashAttention-style: grid (q tile, seq, head);
+a program holds BLOCK_M queries and walks the context with tl.dot. Query j of a sequence sits
+at position seq_len - q_len + j (the cached prefix comes first), so the same kernel serves a
+whole prompt, a prefix-cache hit, a chunk from the middle of a prompt and a k+1-token
+speculative verification. Tiles wholly before the q tile's first position skip the causal mask:
+
+    keys ->     0 ............ prefix ........ seq_len
+    q tile      [ unmasked tiles  ][ masked (diagonal) ]   stop at the tile's last query + 1
+
+The torch reference is `engine.attention.paged_attention_reference`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Tuning knobs, module-level so scripts/bench_kernels.py --sweep can try others.
+DECODE_BLOCK_N = 64
+DECODE_NUM_WARPS = 4
+DECODE_PROGRAMS_PER_SM = 4  # split until about this many programs per SM
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 64
+PREFILL_NUM_WARPS = 4
+PREFILL_NUM_STAGES = 2
+
+
+@triton.jit
+def _tile_rows(bt_row, pos, valid, head_off, stride_slot, BLOCK_SIZE: tl.constexpr):
+    """Element offsets of the head vectors of context positions `pos` (int64)."""
+    block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return (block * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_slot + head_off
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
+                   part_out_ptr, part_lse_ptr, qk_scale, tokens_per_split,
+                   stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_slot, stride_ch,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = split * tokens_per_split
+    hi = tl.minimum(seq_len, lo + tokens_per_split)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qb + head * stride_qh + dims).to(tl.float32) * qk_scale
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = head * stride_ch
+    # per-lane state: row j of every tile keeps its own running max / sum / accumulator, so the
+    # loop needs no cross-warp reduction; the BLOCK_N lanes are merged once after it
+    m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        rows = _tile_rows(bt_row, pos, valid, head_off, stride_slot, BLOCK_SIZE)
+        k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        s = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # lane still empty: weights 0
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref)
+        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+        l_i = l_i * alpha + p
+        m_i = m_new
+    m = tl.max(m_i, axis=0)
+    w = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m))
+    l_sum = tl.sum(l_i * w, axis=0)
+    l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+    o = tl.sum(acc * w[:, None], axis=0) / l_safe  # an empty range (or seq_len 0) gives zeros
+    if SPLIT:
+        part = (seq * tl.num_programs(1) + head) * tl.num_programs(2) + split
+        tl.store(part_out_ptr + part * HEAD_DIM + dims, o)
+        tl.store(part_lse_ptr + part, tl.where(l_sum > 0, m + tl.log2(l_safe), float("-inf")))
+    else:
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims,
+                 o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+                         HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, MAX_SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    base = (seq * tl.num_programs(1) + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    o = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                mask=(splits < num_splits)[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    o = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty))
+
+
+def num_kv_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough splits for about DECODE_PROGRAMS_PER_SM programs per SM, at least one tile each.
+    A full batch (num_seqs * num_heads >= that) gets 1: no partials, no merge kernel."""
+    want = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, max(num_seqs * num_heads, 1))
+    return max(1, min(want, triton.cdiv(max_seq_len, DECODE_BLOCK_N)))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: any small number exercises the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None,
+                           max_seq_len: int | None = None) -> torch.Tensor:
+    """q: [B, H, D], one query token per sequence, attending to its seq_lens[b] cached tokens
+    (its own K/V already stored). max_seq_len (a host int) sizes the split grid; without it the
+    block-table width bounds it, which needs no device sync either."""
+    num_seqs, num_heads, head_dim = q.shape
+    _check_cache(q, k_cache, v_cache)
+    block_size = k_cache.shape[1]
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    splits = num_kv_splits(num_seqs, num_heads, max_seq_len, _num_sms(q.device))
+    tiles_per_split = triton.cdiv(triton.cdiv(max_seq_len, DECODE_BLOCK_N), splits)
+    tokens_per_split = tiles_per_split * DECODE_BLOCK_N
+    part_out = part_lse = out  # placeholders, unused when splits == 1
+    if splits > 1:
+        part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_seqs, num_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2E, tokens_per_split, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=DECODE_BLOCK_N, SPLIT=splits > 1,
+        num_warps=DECODE_NUM_WARPS)
+    if splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, MAX_SPLITS=triton.next_power_of_2(splits), num_warps=1)
+    return out
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
+                  stride_slot, seq_len, lo, hi, qk_scale, BLOCK_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Online-softmax update of a q tile's state over key tiles [lo, hi)."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < seq_len
+        rows = _tile_rows(bt_row, pos, valid, head_off, stride_slot, BLOCK_SIZE)
+        k_t = tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=valid[None, :], other=0.0)
+        s = tl.dot(q, k_t, input_precision="ieee") * qk_scale
+        if CAUSAL:
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                    query_start_ptr, out_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_ch,
+                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    q_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len + q_tile * BLOCK_M  # position of the tile's first query
+    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=(offs_m < q_len)[:, None], other=0.0)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = head * stride_ch
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    q_pos = first_pos + tl.arange(0, BLOCK_M)
+    unmasked_end = first_pos // BLOCK_N * BLOCK_N  # keys before it are visible to every query
+    hi = tl.minimum(seq_len, first_pos + BLOCK_M)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
+                                  head_off, stride_slot, seq_len, 0, unmasked_end, qk_scale,
+                                  BLOCK_SIZE, HEAD_DIM, BLOCK_N, False)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
+                                  head_off, stride_slot, seq_len, unmasked_end, hi, qk_scale,
+                                  BLOCK_SIZE, HEAD_DIM, BLOCK_N, True)
+    # every query sees key 0, so l_i > 0 on every row (rows past q_len see all keys)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, max_query_len: int,
+                            scale: float) -> torch.Tensor:
+    """q: [T, H, D], the new tokens of all sequences concatenated (query_start_loc [S+1]);
+    each attends causally to its sequence's first seq_lens[s] cached tokens (new K/V already
+    stored). max_query_len (a host int) sizes the grid."""
+    _check_cache(q, k_cache, v_cache)
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    # short queries (speculative verification) get a small tile; tl.dot needs M >= 16
+    block_m = min(PREFILL_BLOCK_M, max(16, triton.next_power_of_2(max_query_len)))
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, q.shape[1])
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
+        BLOCK_N=PREFILL_BLOCK_N, num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
+    return out
+
+
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    head_dim = q.shape[-1]
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == q.shape[1:]
+    assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"

@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from engine.attention import paged_attention_reference
+from kernel_cases import (BLOCK_SIZES, DTYPES, INTERPRET, SCALE, context_lengths, make_paged_batch,
+                          tol)
+from kernels import paged_attention as pa
+
+DECODE_BATCHES = [1, 9] if INTERPRET else [1, 9, 64, 256]
+# (new tokens, context) per sequence: whole prompt, prefix-cache hit on a block boundary, chunk
+# from the middle of a prompt, k+1-token speculative verification, one token, several q tiles
+PREFILL_MIXED = [(37, 37), (16, 48), (21, 130), (5, 300), (1, 1), (150, 1000)]
+PREFILL_VERIFY = [(5, 200), (3, 77), (5, 1024), (1, 9)]
+if not INTERPRET:
+    PREFILL_MIXED += [(1024, 1024), (512, 1024), (300, 999), (77, 77), (130, 257)]
+    PREFILL_VERIFY *= 8
+
+
+def _decode(batch, max_seq_len):
+    out = torch.empty_like(batch.q)  # NaN-poisoned by conftest
+    return pa.paged_attention_decode(batch.q, batch.k_cache, batch.v_cache, batch.meta.block_tables,
+                                     batch.meta.seq_lens, SCALE, out=out, max_seq_len=max_seq_len)
+
+
+def _reference(batch):
+    return paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.meta, SCALE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("num_seqs", DECODE_BATCHES)
+def test_decode(dtype, block_size, num_seqs):
+    seq_lens = context_lengths(num_seqs, block_size)
+    batch = make_paged_batch([1] * num_seqs, seq_lens, block_size, dtype)
+    out = _decode(batch, batch.meta.max_seq_len)
+    torch.testing.assert_close(out, _reference(batch), **tol(dtype))
+
+
+@pytest.mark.parametrize("max_seq_len", [1024, None])
+def test_decode_split_grid_wider_than_contexts(max_seq_len):
+    """A grid sized for longer contexts than present (as a captured CUDA graph has) leaves some
+    splits empty; they must drop out of the merge."""
+    batch = make_paged_batch([1] * 3, [1, 40, 99], 16, torch.float32)
+    out = _decode(batch, max_seq_len)
+    torch.testing.assert_close(out, _reference(batch), **tol(torch.float32))
+
+
+def test_decode_empty_context_gives_zeros():
+    """Padding rows (seq_len 0, as in a padded CUDA-graph batch) come out as zeros, not NaN."""
+    batch = make_paged_batch([1] * 2, [1, 50], 16, torch.float16)
+    batch.meta.seq_lens[0] = 0
+    assert torch.equal(_decode(batch, 50)[0], torch.zeros_like(batch.q[0]))
+
+
+def test_num_kv_splits_rule():
+    assert pa.num_kv_splits(64, 12, 1024, num_sms=132) == 1  # full batch: no merge kernel
+    assert pa.num_kv_splits(1, 12, 1024, num_sms=132) == 1024 // pa.DECODE_BLOCK_N
+    assert pa.num_kv_splits(1, 12, 10, num_sms=132) == 1  # never less than one tile per split
+    assert 1 < pa.num_kv_splits(8, 12, 1024, num_sms=132) < 1024 // pa.DECODE_BLOCK_N
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("cases", [PREFILL_MIXED, PREFILL_VERIFY], ids=["mixed", "verify"])
+def test_prefill(dtype, block_size, cases):
+    q_lens, seq_lens = zip(*cases)
+    batch = make_paged_batch(list(q_lens), list(seq_lens), block_size, dtype)
+    meta = batch.meta
+    out = pa.paged_attention_prefill(batch.q, batch.k_cache, batch.v_cache, meta.block_tables,
+                                     meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                                     SCALE)
+    torch.testing.assert_close(out, _reference(batch), **tol(dtype))
