@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device_info import num_sms
+
 LOG2E = 1.4426950408889634
 # Tuning knobs, module-level so scripts/bench_kernels.py --sweep can try others.
 DECODE_BLOCK_N = 64
@@ -130,12 +132,6 @@ def num_kv_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int)
     return max(1, min(want, triton.cdiv(max_seq_len, DECODE_BLOCK_N)))
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: any small number exercises the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None,
@@ -152,7 +148,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
-    splits = num_kv_splits(num_seqs, num_heads, max_seq_len, _num_sms(q.device))
+    splits = num_kv_splits(num_seqs, num_heads, max_seq_len, num_sms(q.device))
     tiles_per_split = triton.cdiv(triton.cdiv(max_seq_len, DECODE_BLOCK_N), splits)
     tokens_per_split = tiles_per_split * DECODE_BLOCK_N
     part_out = part_lse = out  # placeholders, unused when splits == 1

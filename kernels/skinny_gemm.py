@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.device_info import num_sms
 from kernels.gelu import gelu_tanh
 
 MAX_M = 16
@@ -100,9 +101,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if m == 0:
         return out
     num_tiles = triton.cdiv(n, BLOCK_N)
-    num_sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
-               if x.device.type == "cuda" else 4)  # 4 under the interpreter: exercises split-K
-    k_per_split = _k_per_split(num_tiles, k, block_k, num_sms)
+    k_per_split = _k_per_split(num_tiles, k, block_k, num_sms(x.device))
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     bias_arg = out if bias is None else bias
