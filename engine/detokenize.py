@@ -13,7 +13,13 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+    """`final_only`: nobody reads text before the end and no stop string needs matching, so
+    tokens are decoded once, in bulk, when the sequence ends (far cheaper per token)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...],
+                 final_only: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._bulk: list[int] | None = [] if final_only and not stop else None
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
@@ -26,6 +32,13 @@ class TextStream:
         After a stop string is found, everything further is dropped."""
         if self.stopped_by is not None:
             return ""
+        if self._bulk is not None:
+            if token_id != EOS_TOKEN_ID:
+                self._bulk.append(token_id)
+            if not final:
+                return ""
+            self.text = self._tokenizer.decode(self._bulk)
+            return self.text
         piece = "" if token_id == EOS_TOKEN_ID else self._detokenizer.add(token_id)
         if final:
             piece += self._detokenizer.flush()

@@ -44,7 +44,8 @@ class _Choice:
     def __init__(self, index: int, request: Request, tokenizer: Tokenizer) -> None:
         self.index = index
         self.request = request
-        self.stream = TextStream(tokenizer, request.params.stop)
+        self.stream = TextStream(tokenizer, request.params.stop,
+                                 final_only=request.params.output_kind == "final_only")
         self.output = CompletionOutput(index=index,
                                        logprobs=[] if request.params.logprobs is not None
                                        else None)
@@ -65,7 +66,11 @@ class _Group:
     prompt_token_ids: list[int]
     choices: list[_Choice]
 
-    def to_output(self, error: str | None = None) -> RequestOutput:
+    @property
+    def finished(self) -> bool:
+        return all(c.output.finish_reason is not None for c in self.choices)
+
+    def to_output(self) -> RequestOutput:
         metrics = [RequestMetrics(arrival_time=c.request.arrival_time,
                                   first_scheduled_time=c.request.first_scheduled_time,
                                   first_token_time=c.request.first_token_time,
@@ -75,7 +80,7 @@ class _Group:
                    for c in self.choices]
         outputs = [c.snapshot() for c in self.choices]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             metrics, error)
+                             metrics)
 
 
 class LLMEngine:
@@ -165,7 +170,9 @@ class LLMEngine:
             group, choice = owner
             self._apply_token(choice, request.output_token_ids[len(choice.output.token_ids)],
                               token_logprobs)
-            changed[group.request_id] = group
+            if request.params.output_kind == "stream" or (request.status.is_finished
+                                                           and group.finished):
+                changed[group.request_id] = group
         return [self._emit(group) for group in changed.values()]
 
     def _apply_token(self, choice: _Choice, token: int, token_logprobs) -> None:
@@ -222,6 +229,8 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        # only finished outputs are kept here: skip building per-step outputs
+        params_list = [replace(p, output_kind="final_only") for p in params_list]
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         ids = []

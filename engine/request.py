@@ -56,6 +56,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-k logprobs per generated token, up to 20
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    # "stream": an output every step with new text (the server); "final_only": one output when
+    # the request finishes, skipping per-step output objects (offline batch generation)
+    output_kind: str = "stream"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +102,8 @@ class SamplingParams:
              "must map token ids to finite numbers")
         if self.seed is not None:
             need(is_int(self.seed), "seed", "must be an integer")
+        need(self.output_kind in ("stream", "final_only"), "output_kind",
+             "must be 'stream' or 'final_only'")
 
     @property
     def greedy(self) -> bool:

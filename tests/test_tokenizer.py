@@ -63,3 +63,14 @@ def test_eos_adds_no_text(stop):
     tok = Tokenizer()
     s = TextStream(tok, stop)
     assert s.add(tok.encode("hi")[0], final=False) + s.add(EOS_TOKEN_ID, final=True) == "hi"
+
+
+def test_final_only_bulk_decoding_equals_streamed_text():
+    tok = Tokenizer()
+    ids = tok.encode(TEXT) + [EOS_TOKEN_ID]
+    streamed, bulk = TextStream(tok, ()), TextStream(tok, (), final_only=True)
+    pieces = [bulk.add(t, final=i == len(ids) - 1) for i, t in enumerate(ids)]
+    for i, t in enumerate(ids):
+        streamed.add(t, final=i == len(ids) - 1)
+    assert pieces[:-1] == [""] * (len(ids) - 1)
+    assert bulk.text == streamed.text == TEXT
