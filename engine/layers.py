@@ -29,11 +29,17 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(x + bias, approximate="tanh")
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+           gelu: bool = False) -> torch.Tensor:
+    """x @ weight.T + bias (weight in F.linear's [out, in] layout), then GELU(tanh) if asked."""
+    return bias_gelu(F.linear(x, weight), bias) if gelu else F.linear(x, weight, bias)
+
+
 @dataclass(frozen=True)
 class Ops:
     layer_norm: Callable[..., torch.Tensor]
     add_layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    bias_gelu: Callable[..., torch.Tensor]
+    linear: Callable[..., torch.Tensor]  # linear(x, weight, bias, gelu=False)
 
 
-TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, bias_gelu=bias_gelu)
+TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear)

@@ -16,9 +16,9 @@ import torch
 from engine.attention import AttentionMetadata, get_attention_backend
 from engine.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, DecodeInputs
+from engine.cuda_graphs import DecodeGraphs, DecodeInputs, capture_sizes
 from engine.layers import TORCH_OPS, Ops
-from engine.models.gpt2 import load_gpt2
+from engine.models.gpt2 import GPT2Config, load_gpt2, resolve_model_dir
 from engine.request import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, is_plain_greedy
 
@@ -49,13 +49,25 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def ops_for(backend: str) -> Ops:
-    """Fused Triton ops go with the Triton backend; imported lazily so CPU runs need no Triton."""
-    if backend == "triton":
-        from kernels import TRITON_OPS
+def ops_for(backend: str, config: EngineConfig, dtype: torch.dtype,
+            device: torch.device) -> Ops:
+    """Fused Triton ops go with the Triton backend (imported lazily, so CPU runs need no
+    Triton), their linear layers routed by a table measured on this GPU for the decode
+    batch sizes that CUDA graphs replay."""
+    if backend != "triton":
+        return TORCH_OPS
+    from kernels import triton_ops
+    from kernels.linear import measure_skinny_wins
 
-        return TRITON_OPS
-    return TORCH_OPS
+    if config.model.enforce_eager:
+        return triton_ops()
+    cfg = GPT2Config.from_json(resolve_model_dir(config.model.model) / "config.json")
+    d, inner = cfg.n_embd, cfg.n_inner
+    shapes = [(3 * d, d, False), (d, d, False), (inner, d, True), (d, inner, False)]
+    wins = measure_skinny_wins(shapes, capture_sizes(config.scheduler.max_num_seqs), dtype,
+                               device)
+    log.info("skinny GEMM measured faster than cuBLAS for %d of the decode shapes", len(wins))
+    return triton_ops(wins)
 
 
 @dataclass
@@ -163,8 +175,8 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
-        self.model = load_gpt2(config.model.model, self.dtype, self.device,
-                               ops_for(self.attention_backend),
+        ops = ops_for(self.attention_backend, config, self.dtype, self.device)
+        self.model = load_gpt2(config.model.model, self.dtype, self.device, ops,
                                get_attention_backend(self.attention_backend))
         self.sampler = Sampler(self.device, config.model.seed)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists

@@ -1,7 +1,14 @@
 """Triton kernels for the GPU path. Each module keeps (or names) its plain-PyTorch reference;
 tests/kernels compares every kernel with it, and scripts/bench_kernels.py times them."""
 from engine.layers import Ops
-from kernels.gelu import bias_gelu
 from kernels.layernorm import add_layer_norm, layer_norm
+from kernels.linear import LinearDispatch, ShapeKey
 
-TRITON_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, bias_gelu=bias_gelu)
+
+def triton_ops(skinny_wins: frozenset[ShapeKey] = frozenset()) -> Ops:
+    """Fused Triton ops; linear layers take the skinny GEMM for the measured winning shapes."""
+    return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm,
+               linear=LinearDispatch(skinny_wins))
+
+
+TRITON_OPS = triton_ops()  # cuBLAS for every linear

@@ -59,21 +59,23 @@ class GPT2Config:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPT2Config, backend: AttentionBackend):
+    def __init__(self, cfg: GPT2Config, ops: Ops, backend: AttentionBackend):
         super().__init__()
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.ops = ops
         self.backend = backend
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, n_embd = x.shape
-        qkv = self.c_attn(x)
+        qkv = self.ops.linear(x, self.c_attn.weight, self.c_attn.bias)
         q, k, v = (t.view(num_tokens, self.n_head, self.head_dim)
                    for t in qkv.split(n_embd, dim=-1))
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, scale=self.scale)
-        return self.c_proj(out.reshape(num_tokens, n_embd))
+        return self.ops.linear(out.reshape(num_tokens, n_embd), self.c_proj.weight,
+                               self.c_proj.bias)
 
 
 class MLP(nn.Module):
@@ -84,15 +86,15 @@ class MLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The c_fc bias is added inside the fused bias+GELU op, not by the matmul."""
-        return self.c_proj(self.ops.bias_gelu(F.linear(x, self.c_fc.weight), self.c_fc.bias))
+        hidden = self.ops.linear(x, self.c_fc.weight, self.c_fc.bias, gelu=True)
+        return self.ops.linear(hidden, self.c_proj.weight, self.c_proj.bias)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPT2Config, ops: Ops, backend: AttentionBackend):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.attn = Attention(cfg, backend)
+        self.attn = Attention(cfg, ops, backend)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg, ops)
         self.ops = ops
