@@ -33,8 +33,10 @@ from bench_utils import copy_bandwidth  # noqa: E402
 from engine.attention import (AttentionMetadata, paged_attention_reference,  # noqa: E402
                               store_kv_reference)
 from engine.layers import TORCH_OPS  # noqa: E402
+from engine.layers import bias_gelu as bias_gelu_reference  # noqa: E402
 from kernels import TRITON_OPS  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
+from kernels.gelu import bias_gelu  # noqa: E402
 from kernels.skinny_gemm import skinny_linear  # noqa: E402
 from kernels.store_kv import store_kv  # noqa: E402
 
@@ -160,7 +162,8 @@ def elementwise_rows() -> list[dict]:
                *both(lambda ops: ops.layer_norm(x, w, b, 1e-5))),
         op_row("add_layer_norm 4096x1600", 4 * x.numel(),
                *both(lambda ops: ops.add_layer_norm(x, r, w, b, 1e-5)[0])),
-        op_row("bias_gelu 4096x6400", 2 * h.numel(), *both(lambda ops: ops.bias_gelu(h, hb))),
+        op_row("bias_gelu 4096x6400", 2 * h.numel(), lambda: bias_gelu(h, hb),
+               lambda: bias_gelu_reference(h, hb)),
         op_row("store_kv 2048 tok H12", 4 * k.numel(),
                lambda: store(store_kv, *caches[:2]),
                lambda: store(store_kv_reference, *caches[2:])),
