@@ -15,17 +15,13 @@ length, so the split-KV grid covers any sequence, and the kernels mask by seq_le
 """
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-
-log = logging.getLogger(__name__)
-
+from engine.inputs import HostInputs
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 up to max_num_seqs (which is always included)."""
@@ -33,16 +29,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes += list(range(8 if max_num_seqs > 8 else max_num_seqs, max_num_seqs, 8))
     sizes.append(max_num_seqs)
     return sorted(set(sizes))
-
-
-@dataclass
-class DecodeInputs:
-    """Host arrays of one decode step, one row per sequence."""
-    token_ids: np.ndarray  # int64 [B]
-    positions: np.ndarray  # int64 [B]
-    slot_mapping: np.ndarray  # int64 [B]
-    block_tables: np.ndarray  # int32 [B, max_blocks]
-    seq_lens: np.ndarray  # int32 [B]
 
 
 class DecodeGraphs:
@@ -101,7 +87,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, inputs: HostInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for this batch. Returns logits [B, vocab] and their argmax [B],
         views valid until the next replay."""
         batch = len(inputs.token_ids)
@@ -110,7 +96,7 @@ class DecodeGraphs:
         self.graphs[size].replay()
         return self.logits[size][:batch], self.greedy[size][:batch]
 
-    def _stage(self, inputs: DecodeInputs, size: int) -> None:
+    def _stage(self, inputs: HostInputs, size: int) -> None:
         """Write rows [0, B) and padding rows [B, size) into pinned memory, then copy.
         Reusing the pinned memory is safe because each step ends with a host sync on the
         sampled tokens, after which the previous step's copies have completed."""

@@ -6,17 +6,17 @@ come back with one host sync per step.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, get_attention_backend
+from engine.attention import get_attention_backend
 from engine.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, DecodeInputs, capture_sizes
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.inputs import prepare_host_inputs, to_device
 from engine.layers import TORCH_OPS, Ops
 from engine.models.gpt2 import GPT2Config, load_gpt2, resolve_model_dir
 from engine.request import SamplingParams
@@ -68,105 +68,6 @@ def ops_for(backend: str, config: EngineConfig, dtype: torch.dtype,
                                device)
     log.info("skinny GEMM measured faster than cuBLAS for %d of the decode shapes", len(wins))
     return triton_ops(wins)
-
-
-@dataclass
-class HostInputs:
-    """One step's inputs as host arrays, varlen over the batch."""
-    token_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    slot_mapping: np.ndarray  # int64 [T]
-    block_tables: np.ndarray  # int32 [S, max_blocks_per_seq]
-    seq_lens: np.ndarray  # int32 [S]
-    query_start_loc: np.ndarray  # int32 [S + 1]
-    sample_indices: np.ndarray  # int64: the last token row of each sample=True sequence
-    max_query_len: int
-
-    @property
-    def is_decode_step(self) -> bool:
-        """One new token per sequence and every sequence samples (a 1-token prompt chunk
-        that does not reach the end of its prompt has max_query_len 1 but no sample)."""
-        return self.max_query_len == 1 and len(self.sample_indices) == len(self.seq_lens)
-
-    def decode_inputs(self) -> DecodeInputs:
-        return DecodeInputs(self.token_ids, self.positions, self.slot_mapping,
-                            self.block_tables, self.seq_lens)
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    sample_indices: torch.Tensor  # [num sample=True seqs] int64: each one's last token row
-
-
-def prepare_host_inputs(seqs: list[ScheduledSequence], block_size: int,
-                        max_blocks_per_seq: int) -> HostInputs:
-    """Varlen inputs of one step, computed with numpy over the whole batch at once."""
-    if all(len(s.token_ids) == 1 and s.sample for s in seqs):
-        return _decode_host_inputs(seqs, block_size, max_blocks_per_seq)
-    new_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
-    starts = np.array([s.start_position for s in seqs], dtype=np.int64)
-    query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
-    np.cumsum(new_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-    seq_of_token = np.repeat(np.arange(len(seqs)), new_lens)
-    positions = starts[seq_of_token] + np.arange(num_tokens) - query_start_loc[seq_of_token]
-    block_tables = _block_table_array(seqs, max_blocks_per_seq)
-    block_of_token = block_tables[seq_of_token, positions // block_size].astype(np.int64)
-    token_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs),
-                            dtype=np.int64, count=num_tokens)
-    return HostInputs(
-        token_ids=token_ids, positions=positions,
-        slot_mapping=block_of_token * block_size + positions % block_size,
-        block_tables=block_tables, seq_lens=(starts + new_lens).astype(np.int32),
-        query_start_loc=query_start_loc.astype(np.int32),
-        sample_indices=(query_start_loc[1:] - 1)[[s.sample for s in seqs]],
-        max_query_len=int(new_lens.max()))
-
-
-def _block_table_array(seqs: list[ScheduledSequence], width: int) -> np.ndarray:
-    """Ragged block ids as a zero-padded [S, width] array (a row loop measured faster than
-    building one flat array and scattering it)."""
-    table = np.zeros((len(seqs), width), dtype=np.int32)
-    for row, s in enumerate(seqs):
-        table[row, :len(s.block_ids)] = s.block_ids
-    return table
-
-
-def _decode_host_inputs(seqs: list[ScheduledSequence], block_size: int,
-                        max_blocks_per_seq: int) -> HostInputs:
-    """The common decode step (one token per sequence, all sampling), with plain lists: one token per sequence needs none of
-    the varlen index arithmetic, whose numpy call overheads dominate at decode batch sizes."""
-    positions = [s.start_position for s in seqs]
-    slots = [s.block_ids[p // block_size] * block_size + p % block_size
-             for s, p in zip(seqs, positions)]
-    rows = np.arange(len(seqs), dtype=np.int64)
-    return HostInputs(
-        token_ids=np.array([s.token_ids[0] for s in seqs], dtype=np.int64),
-        positions=np.array(positions, dtype=np.int64),
-        slot_mapping=np.array(slots, dtype=np.int64),
-        block_tables=_block_table_array(seqs, max_blocks_per_seq),
-        seq_lens=np.array(positions, dtype=np.int32) + 1,
-        query_start_loc=np.arange(len(seqs) + 1, dtype=np.int32),
-        sample_indices=rows, max_query_len=1)
-
-
-def to_device(host: HostInputs, device: torch.device) -> StepInputs:
-    def on_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(array).to(device=device, dtype=dtype)
-
-    meta = AttentionMetadata(
-        slot_mapping=on_device(host.slot_mapping, torch.int64),
-        block_tables=on_device(host.block_tables, torch.int32),
-        seq_lens=on_device(host.seq_lens, torch.int32),
-        query_start_loc=on_device(host.query_start_loc, torch.int32),
-        max_query_len=host.max_query_len, max_seq_len=int(host.seq_lens.max()),
-        query_start_loc_host=host.query_start_loc.tolist(), seq_lens_host=host.seq_lens.tolist())
-    return StepInputs(on_device(host.token_ids, torch.int64),
-                      on_device(host.positions, torch.int64), meta,
-                      on_device(host.sample_indices, torch.int64))
 
 
 class ModelRunner:
@@ -298,7 +199,7 @@ class ModelRunner:
         host = prepare_host_inputs(out.sequences, self.block_size, self.max_blocks_per_seq)
         if (self.graphs is not None and host.is_decode_step
                 and len(out.sequences) <= self.graphs.max_batch):
-            return self.graphs.run(host.decode_inputs())
+            return self.graphs.run(host)
         step = to_device(host, self.device)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         return self.model.compute_logits(hidden[step.sample_indices]), None

@@ -168,7 +168,7 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
 def test_host_inputs_decode_fast_path_equals_general_path():
     """The list-based decode path and the numpy varlen path build identical inputs, and a
     1-token prompt chunk that does not sample is never taken for a decode."""
-    from engine.model_runner import _decode_host_inputs, prepare_host_inputs
+    from engine.inputs import _decode_host_inputs, prepare_host_inputs
 
     params = SamplingParams()
     seqs = [ScheduledSequence("a", [7], 37, [4, 9, 2], True, params),
