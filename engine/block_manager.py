@@ -148,12 +148,6 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
-    def reset_prefix_cache(self) -> None:
-        """Forget all cached keys (e.g. after weights change)."""
-        for block in self.blocks:
-            block.key = None
-        self._cached.clear()
-
     # --------------------------------------------------------------- internals
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -146,12 +146,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def token_at(self, position: int) -> int:
-        n_prompt = len(self.prompt_token_ids)
-        if position < n_prompt:
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - n_prompt]
-
     def tokens_between(self, start: int, end: int) -> list[int]:
         n_prompt = len(self.prompt_token_ids)
         if end <= n_prompt:
