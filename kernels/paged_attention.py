@@ -60,10 +60,11 @@ def _tile_rows(bt_row, pos, valid, head_off, stride_slot, BLOCK_SIZE: tl.constex
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-                   part_out_ptr, part_lse_ptr, qk_scale, tokens_per_split,
-                   stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, stride_slot, stride_ch,
+                   part_out_ptr, part_lse_ptr, k_new_ptr, v_new_ptr, slot_ptr, qk_scale,
+                   tokens_per_split, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                   stride_slot, stride_ch, stride_nb, stride_nh,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, FUSE_STORE: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -79,12 +80,36 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    last = seq_len - 1  # the new token's position
+    if FUSE_STORE:
+        # the new token's K/V come from registers, not the cache; the one program whose range
+        # holds `last` also stores them (unless the row is padding), so no program reads a
+        # slot another program writes
+        new_off = seq * stride_nb + head * stride_nh + dims
+        k_new = tl.load(k_new_ptr + new_off)
+        v_new = tl.load(v_new_ptr + new_off)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        if (slot >= 0) & (lo <= last) & (last < hi):
+            tl.store(k_cache_ptr + slot * stride_slot + head_off + dims, k_new)
+            tl.store(v_cache_ptr + slot * stride_slot + head_off + dims, v_new)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < hi
         rows = _tile_rows(bt_row, pos, valid, head_off, stride_slot, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if FUSE_STORE:
+            cached = valid & (pos != last)
+            is_new = (pos == last)[:, None]
+            k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=cached[:, None],
+                        other=0.0)
+            v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=cached[:, None],
+                        other=0.0)
+            k = tl.where(is_new, k_new[None, :], k)
+            v = tl.where(is_new, v_new[None, :], v)
+        else:
+            k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None],
+                        other=0.0)
+            v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None],
+                        other=0.0)
         s = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
         m_new = tl.maximum(m_i, s)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # lane still empty: weights 0
@@ -135,10 +160,14 @@ def num_kv_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int)
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None,
-                           max_seq_len: int | None = None) -> torch.Tensor:
-    """q: [B, H, D], one query token per sequence, attending to its seq_lens[b] cached tokens
-    (its own K/V already stored). max_seq_len (a host int) sizes the split grid; without it the
-    block-table width bounds it, which needs no device sync either."""
+                           max_seq_len: int | None = None,
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
+    """q: [B, H, D], one query token per sequence, attending to its seq_lens[b] cached tokens.
+    Without new_kv the token's own K/V must already be stored; with new_kv = (k [B, H, D],
+    v [B, H, D], slot_mapping [B]) the kernel stores them itself (slot -1: not stored) and
+    reads them from registers, saving the separate store_kv launch. max_seq_len (a host int)
+    sizes the split grid; without it the block-table width bounds it (no device sync)."""
     num_seqs, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     block_size = k_cache.shape[1]
@@ -156,12 +185,15 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
                                device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
+    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)  # unused if None
+    assert k_new.stride() == v_new.stride() and k_new.stride(2) == 1
     _decode_kernel[(num_seqs, num_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, tokens_per_split, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, k_new, v_new,
+        slots, scale * LOG2E, tokens_per_split, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_new.stride(0), k_new.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=DECODE_BLOCK_N, SPLIT=splits > 1,
-        num_warps=DECODE_NUM_WARPS)
+        FUSE_STORE=new_kv is not None, num_warps=DECODE_NUM_WARPS)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, splits, out.stride(0), out.stride(1),

@@ -45,6 +45,28 @@ def test_decode_split_grid_wider_than_contexts(max_seq_len):
     torch.testing.assert_close(out, _reference(batch), **tol(torch.float32))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("max_seq_len", [None, 1024])
+def test_decode_fused_store(dtype, max_seq_len):
+    """With new_kv the kernel stores the new K/V itself (never at slot -1) and attends to them
+    from registers: their slots are poisoned first, so a read-before-write shows as NaN."""
+    batch = make_paged_batch([1] * 4, [1, 17, 40, 99], 16, dtype)
+    expected = _reference(batch)  # the fixture's cache already holds the new K/V
+    slots = batch.meta.slot_mapping.clone()
+    k_flat, v_flat = (c.view(-1, *c.shape[2:]) for c in (batch.k_cache, batch.v_cache))
+    k_flat[slots], v_flat[slots] = float("nan"), float("nan")
+    slots[2] = -1  # a padding row: attends, but must not be stored
+    out = pa.paged_attention_decode(batch.q, batch.k_cache, batch.v_cache,
+                                    batch.meta.block_tables, batch.meta.seq_lens, SCALE,
+                                    out=torch.empty_like(batch.q), max_seq_len=max_seq_len,
+                                    new_kv=(batch.k_new, batch.v_new, slots))
+    torch.testing.assert_close(out, expected, **tol(dtype))
+    stored = slots >= 0
+    assert torch.equal(k_flat[slots[stored]], batch.k_new[stored])
+    assert torch.equal(v_flat[slots[stored]], batch.v_new[stored])
+    assert torch.isnan(k_flat[batch.meta.slot_mapping[2]]).all()
+
+
 def test_decode_empty_context_gives_zeros():
     """Padding rows (seq_len 0, as in a padded CUDA-graph batch) come out as zeros, not NaN."""
     batch = make_paged_batch([1] * 2, [1, 50], 16, torch.float16)
