@@ -65,6 +65,7 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     choices: list[_Choice]
+    error: str | None = None  # set when handling this request's output raised
 
     @property
     def finished(self) -> bool:
@@ -80,7 +81,7 @@ class _Group:
                    for c in self.choices]
         outputs = [c.snapshot() for c in self.choices]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             metrics)
+                             metrics, self.error)
 
 
 class LLMEngine:
@@ -168,12 +169,24 @@ class LLMEngine:
             if owner is None:
                 continue  # aborted since its token was sampled
             group, choice = owner
-            self._apply_token(choice, request.output_token_ids[len(choice.output.token_ids)],
-                              token_logprobs)
-            if request.params.output_kind == "stream" or (request.status.is_finished
-                                                           and group.finished):
+            try:
+                self._apply_token(choice, request.output_token_ids[len(choice.output.token_ids)],
+                                  token_logprobs)
+            except Exception as err:  # one request's failure must not take down the others
+                log.exception("request %s failed while handling its output", group.request_id)
+                self._fail(group, f"{type(err).__name__}: {err}")
+            if (request.params.output_kind == "stream" or group.error is not None
+                    or (request.status.is_finished and group.finished)):
                 changed[group.request_id] = group
         return [self._emit(group) for group in changed.values()]
+
+    def _fail(self, group: _Group, message: str) -> None:
+        """End every choice of the group now (blocks freed); its output carries the error."""
+        group.error = message
+        for choice in group.choices:
+            self.scheduler.finish(choice.request.request_id, RequestStatus.FINISHED_ABORTED)
+            if choice.output.finish_reason is None:
+                choice.output.finish_reason = RequestStatus.FINISHED_ABORTED.value
 
     def _apply_token(self, choice: _Choice, token: int, token_logprobs) -> None:
         request, out = choice.request, choice.output
@@ -199,7 +212,7 @@ class LLMEngine:
             choice.output.delta_text = ""
             choice.output.delta_token_ids = []
             choice.output.delta_logprobs = None
-        if output.finished:
+        if output.finished:  # a failed group is finished too: _fail ended every choice
             self._groups.pop(group.request_id, None)
             for choice in group.choices:
                 self._choice_of.pop(choice.request.request_id, None)

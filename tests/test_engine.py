@@ -137,3 +137,24 @@ def test_abort_frees_everything(tiny_checkpoint):
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.step() == []
+
+
+def test_failure_in_one_request_ends_it_with_an_error_and_spares_the_others(tiny_checkpoint,
+                                                                           monkeypatch):
+    engine = make_llm(tiny_checkpoint).engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("bad", [1, 2, 3], params)
+    engine.add_request("good", [4, 5, 6], params)
+    bad_stream = engine._groups["bad"].choices[0].stream
+
+    def broken(token_id, final):
+        raise RuntimeError("detokenizer exploded")
+
+    monkeypatch.setattr(bad_stream, "add", broken)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "RuntimeError: detokenizer exploded" in finals["bad"].error
+    assert finals["bad"].finish_reason == "abort"
+    assert finals["good"].error is None and len(finals["good"].token_ids) == 6
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
