@@ -85,6 +85,10 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
         self.num_kv_blocks = config.cache.num_kv_blocks or self._num_blocks_that_fit()
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB); %.1f requests fit at the full "
+                 "%d-token context", self.num_kv_blocks, self.block_size,
+                 self.num_kv_blocks * self.kv_block_bytes / 2**30,
+                 self.num_kv_blocks / self.max_blocks_per_seq, config.scheduler.max_model_len)
         self.graphs = self._capture_graphs()
 
     def _capture_graphs(self) -> DecodeGraphs | None:
