@@ -85,12 +85,16 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        from engine.model_runner import ModelRunner  # torch lives behind this import
+    def __init__(self, config: EngineConfig, runner=None) -> None:
+        """`runner` defaults to a ModelRunner for the config; tests pass a fake with the same
+        `num_kv_blocks` and `launch(SchedulerOutput) -> pending with .wait()`."""
+        if runner is None:
+            from engine.model_runner import ModelRunner  # torch lives behind this import
 
+            runner = ModelRunner(config)
         self.config = config
         self.tokenizer = Tokenizer()
-        self.runner = ModelRunner(config)
+        self.runner = runner
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -197,10 +201,14 @@ class LLMEngine:
         if out.logprobs is not None and token_logprobs is not None:
             out.logprobs.append(token_logprobs)
             out.delta_logprobs = (out.delta_logprobs or []) + [token_logprobs]
-        if choice.stream.stopped_by is not None and not finished:
-            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED,
-                                  choice.stream.stopped_by)
-        if request.status.is_finished:
+        if choice.stream.stopped_by is not None:
+            # a stop string wins even when the same token also hit max_tokens (as in vLLM)
+            if not finished:
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED,
+                                      choice.stream.stopped_by)
+            out.finish_reason = RequestStatus.FINISHED_STOPPED.value
+            out.stop_reason = choice.stream.stopped_by
+        elif finished:
             out.finish_reason = request.status.value
             out.stop_reason = request.stop_reason
         out.text = choice.stream.text

@@ -1,0 +1,73 @@
+"""The pipelined LLMEngine.step() under random arrivals, aborts and stop strings, with the
+prefix-dependent fake runner from test_scheduler (no torch): every request ends exactly once,
+its tokens are a prefix of the reference, stop strings cut the text, and no block leaks."""
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.batch import SchedulerOutput
+from engine.config import EngineConfig
+from engine.llm import LLMEngine
+from engine.request import SamplingParams
+from engine.tokenizer import Tokenizer
+from test_scheduler import FakeRunner, reference_output
+
+
+class _Done:
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+
+class PipelinedFakeRunner(FakeRunner):
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size)
+        self.num_kv_blocks = num_blocks
+
+    def launch(self, out: SchedulerOutput) -> _Done:
+        return _Done(self.execute(out))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), num_blocks=st.integers(12, 40),
+       budget=st.integers(1, 24), final_only=st.booleans())
+def test_pipelined_engine_random_workloads(seed, num_blocks, budget, final_only):
+    rng = random.Random(seed)
+    config = EngineConfig.from_flat(block_size=4, num_kv_blocks=num_blocks, max_num_seqs=4,
+                                    max_num_batched_tokens=budget)
+    engine = LLMEngine(config, runner=PipelinedFakeRunner(num_blocks, 4))
+    text_of = Tokenizer().decode
+    expected, aborted, finals = {}, set(), {}
+    for step in range(600):
+        if step < 30 and rng.random() < 0.4:
+            prompt = [rng.randrange(90) for _ in range(rng.randint(1, 10))]
+            stop = (rng.choice("ABCDEFGH"),) if rng.random() < 0.5 else ()
+            params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True, stop=stop,
+                                    output_kind="final_only" if final_only else "stream")
+            engine.add_request(f"r{step}", prompt, params)
+            expected[f"r{step}"] = (reference_output(prompt, params.max_tokens), stop)
+        if engine.has_unfinished_requests() and rng.random() < 0.05:
+            rid = rng.choice(sorted(engine._groups))
+            engine.abort(rid)
+            aborted.add(rid)
+        for out in engine.step():
+            assert out.request_id not in finals, "output after the request finished"
+            if out.finished:
+                finals[out.request_id] = out
+        engine.block_manager.check_invariants()
+        if step >= 30 and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    assert set(finals) | aborted == set(expected)
+    for rid, out in finals.items():
+        tokens, stop = expected[rid]
+        assert out.token_ids == tokens[:len(out.token_ids)]
+        full = text_of(tokens)
+        if stop and stop[0] in full:
+            assert out.finish_reason == "stop" and out.text == full[:full.index(stop[0])]
+        else:
+            assert out.finish_reason == "length" and out.token_ids == tokens
+    assert engine.block_manager.num_free_blocks == num_blocks
