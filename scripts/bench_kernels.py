@@ -29,7 +29,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_utils import copy_bandwidth  # noqa: E402
+from bench_utils import copy_bandwidth, matmul_rate  # noqa: E402
 from engine.attention import (AttentionMetadata, paged_attention_reference,  # noqa: E402
                               store_kv_reference)
 from engine.layers import TORCH_OPS  # noqa: E402
@@ -82,14 +82,12 @@ def measure_roofline() -> dict:
     """Copy bandwidth (bytes read + written per second; plain event timing of 1 GiB copies,
     the same measurement the engine benchmarks use) and fp16 matmul FLOP/s. A graph-timed
     256 MiB copy is kept beside it as a check on the graph-timing method."""
-    a = torch.randn(8192, 8192, dtype=torch.float16, device="cuda")
-    mm_ms = time_ms(lambda: a @ a)
     src = torch.empty(1 << 27, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
     return {"copy_bytes_per_s": copy_bandwidth(),
             "graph_timed_copy_bytes_per_s": 2 * src.numel() * 2 / time_ms(
                 lambda: dst.copy_(src)) * 1e3,
-            "matmul_flop_per_s": 2 * 8192 ** 3 / mm_ms * 1e3}
+            "matmul_flop_per_s": matmul_rate()}
 
 
 def paged_batch(q_lens: list[int], seq_lens: list[int], heads: int) -> dict:

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_utils import BENCH_DIR, checkpoint_for, device_info, model_bytes, plot, write_result
+from bench_utils import (BENCH_DIR, checkpoint_for, device_info, matmul_rate, model_bytes, plot,
+                         write_result)
 
 from engine import LLM, SamplingParams
 
@@ -61,19 +62,6 @@ def run_hf(checkpoint: str, prompts: list[list[int]], output_len: int, batch: in
     torch.cuda.empty_cache()
     return {"seconds": seconds, "output_tok_per_s": n_out / seconds, "batch": batch,
             "num_prompts": len(prompts)}
-
-
-def matmul_rate() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-    b = torch.randn_like(a)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize()
-    return 10 * 2 * 8192**3 / (time.perf_counter() - start)
 
 
 def roofline_seconds(checkpoint: str, args, concurrency: int, copy_bw: float,

@@ -33,6 +33,22 @@ def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 20) -> float:
     return 2 * n_bytes / seconds
 
 
+def matmul_rate(n: int = 8192, repeats: int = 10) -> float:
+    """fp16 matmul FLOP/s on random n x n operands (long enough that event timing needs no
+    graph: launch overhead is negligible next to ~1 ms of work)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    end.synchronize()
+    return repeats * 2 * n ** 3 / (start.elapsed_time(end) / 1e3)
+
+
 def device_info() -> dict:
     if not torch.cuda.is_available():
         return {"device": "cpu"}
