@@ -35,11 +35,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     return bias_gelu(F.linear(x, weight), bias) if gelu else F.linear(x, weight, bias)
 
 
+def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    norm_bias: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (linear(LayerNorm(x + residual), weight, bias, gelu), x + residual): the
+    pre-norm block entry that a decode kernel can do in one launch."""
+    normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
+    return linear(normed, weight, bias, gelu), summed
+
+
 @dataclass(frozen=True)
 class Ops:
     layer_norm: Callable[..., torch.Tensor]
     add_layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     linear: Callable[..., torch.Tensor]  # linear(x, weight, bias, gelu=False)
+    add_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear)
+TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
+                add_norm_linear=add_norm_linear)

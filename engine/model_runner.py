@@ -63,7 +63,9 @@ def ops_for(backend: str, config: EngineConfig, dtype: torch.dtype,
         return triton_ops()
     cfg = GPT2Config.from_json(resolve_model_dir(config.model.model) / "config.json")
     d, inner = cfg.n_embd, cfg.n_inner
-    shapes = [(3 * d, d, False), (d, d, False), (inner, d, True), (d, inner, False)]
+    # (N, K, gelu, norm): QKV and FC take the block's add + LayerNorm in their prologue
+    shapes = [(3 * d, d, False, True), (d, d, False, False), (inner, d, True, True),
+              (d, inner, False, False)]
     wins = measure_skinny_wins(shapes, capture_sizes(config.scheduler.max_num_seqs), dtype,
                                device)
     log.info("skinny GEMM measured faster than cuBLAS for %d of the decode shapes", len(wins))

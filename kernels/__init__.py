@@ -7,8 +7,9 @@ from kernels.linear import LinearDispatch, ShapeKey
 
 def triton_ops(skinny_wins: frozenset[ShapeKey] = frozenset()) -> Ops:
     """Fused Triton ops; linear layers take the skinny GEMM for the measured winning shapes."""
-    return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm,
-               linear=LinearDispatch(skinny_wins))
+    linear = LinearDispatch(skinny_wins)
+    return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
+               add_norm_linear=linear.add_norm_linear)
 
 
 TRITON_OPS = triton_ops()  # cuBLAS for every linear

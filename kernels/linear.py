@@ -1,9 +1,10 @@
 """Linear layers on the GPU path: cuBLAS (F.linear) or the skinny weight-streaming GEMM, chosen
-per (N, K, M, gelu) by a table measured on the running GPU at startup, never by guess.
+per (N, K, M, gelu, norm) by a table measured on the running GPU at startup, never by guess.
 
 At decode batch sizes a linear layer is a pass over its weights, where cuBLAS leaves much of
-the copy bandwidth unused; the skinny kernel also fuses bias and GELU into one launch.
-Reference: `engine.layers.linear`.
+the copy bandwidth unused; the skinny kernel also fuses bias and GELU, and for the block's
+pre-norm linears (QKV, FC) the residual add and LayerNorm before them, into one launch.
+References: `engine.layers.linear` and `engine.layers.add_norm_linear`.
 """
 from __future__ import annotations
 
@@ -13,44 +14,65 @@ import torch
 import torch.nn.functional as F
 
 from kernels.gelu import bias_gelu
-from kernels.skinny_gemm import MAX_M, skinny_linear
+from kernels.layernorm import add_layer_norm
+from kernels.skinny_gemm import MAX_M, AddNorm, skinny_add_norm_linear, skinny_linear
 
 log = logging.getLogger(__name__)
-ShapeKey = tuple[int, int, int, bool]  # (N, K, M, gelu)
+ShapeKey = tuple[int, int, int, bool, bool]  # (N, K, M, gelu, norm fused in)
 
 
 class LinearDispatch:
-    """Callable as `linear(x, weight, bias, gelu=False)`; `skinny_wins` holds the shapes
-    where the skinny kernel measured faster (empty: always cuBLAS)."""
+    """Callable as `linear(x, weight, bias, gelu=False)`, with `add_norm_linear` beside it;
+    `skinny_wins` holds the shapes where the skinny kernel measured faster (empty: never)."""
 
     def __init__(self, skinny_wins: frozenset[ShapeKey] = frozenset()):
         self.skinny_wins = skinny_wins
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  gelu: bool = False) -> torch.Tensor:
-        if (weight.shape[0], weight.shape[1], x.shape[0], gelu) in self.skinny_wins:
+        if (weight.shape[0], weight.shape[1], x.shape[0], gelu, False) in self.skinny_wins:
             return skinny_linear(x, weight, bias, gelu)
         return bias_gelu(F.linear(x, weight), bias) if gelu else F.linear(x, weight, bias)
 
+    def add_norm_linear(self, x: torch.Tensor, residual: torch.Tensor,
+                        norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor, gelu: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(LayerNorm(x + residual)), x + residual): one skinny launch for the shapes
+        it won, else the add + LayerNorm kernel and then the linear."""
+        if (weight.shape[0], weight.shape[1], x.shape[0], gelu, True) in self.skinny_wins:
+            norm = AddNorm(residual, norm_weight, norm_bias, eps)
+            return skinny_add_norm_linear(x, norm, weight, bias, gelu)
+        normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
+        return self(normed, weight, bias, gelu), summed
 
-def measure_skinny_wins(shapes: list[tuple[int, int, bool]], batch_sizes: list[int],
+
+def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],
                         dtype: torch.dtype, device: torch.device) -> frozenset[ShapeKey]:
-    """Time both implementations inside CUDA graphs (launch overhead excluded, as in a
-    captured decode step), weights rotated so they stream from memory as in a real step."""
-    cublas = LinearDispatch()
+    """For each (N, K, gelu, norm) and batch size M <= MAX_M, time the skinny kernel against
+    the unfused path (cuBLAS, plus the add + LayerNorm kernel for norm shapes) inside CUDA
+    graphs (launch overhead excluded, as in a captured decode step), weights rotated so they
+    stream from memory as in a real step."""
+    unfused = LinearDispatch()
     wins = set()
-    for n, k, gelu in shapes:
+    for n, k, gelu, norm in shapes:
         weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5
                    for _ in range(max(2, (256 << 20) // (n * k * dtype.itemsize)))][:16]
         bias = torch.randn(n, dtype=dtype, device=device)
+        ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
         for m in (m for m in batch_sizes if m <= MAX_M):
-            x = torch.randn(m, k, dtype=dtype, device=device)
-            skinny_ms = _graph_ms(lambda w: skinny_linear(x, w, bias, gelu), weights)
-            cublas_ms = _graph_ms(lambda w: cublas(x, w, bias, gelu), weights)
-            if skinny_ms < cublas_ms:
-                wins.add((n, k, m, gelu))
-            log.info("linear N=%d K=%d M=%d gelu=%s: skinny %.4f ms, cuBLAS %.4f ms", n, k, m,
-                     gelu, skinny_ms, cublas_ms)
+            x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
+            fused = LinearDispatch(frozenset({(n, k, m, gelu, norm)}))
+            if norm:
+                calls = [lambda w, d=d: d.add_norm_linear(x, residual, ln_w, ln_b, 1e-5, w, bias,
+                                                         gelu) for d in (fused, unfused)]
+            else:
+                calls = [lambda w, d=d: d(x, w, bias, gelu) for d in (fused, unfused)]
+            skinny_ms, unfused_ms = (_graph_ms(call, weights) for call in calls)
+            if skinny_ms < unfused_ms:
+                wins.add((n, k, m, gelu, norm))
+            log.info("linear N=%d K=%d M=%d gelu=%s norm=%s: skinny %.4f ms, unfused %.4f ms",
+                     n, k, m, gelu, norm, skinny_ms, unfused_ms)
     return frozenset(wins)
 
 

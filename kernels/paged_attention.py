@@ -16,7 +16,8 @@ log2(e) folded into the scale, so no [queries x context] score matrix ever reach
 Decode (one query per sequence) is memory bound: it must stream the whole K/V context once.
 Grid (seq, head, split). With few sequences, seq x head programs cannot fill the GPU, so the
 context is cut into `splits` equal ranges (flash-decoding); each program writes its partial
-(acc / l, log2-sum-exp) and a second kernel merges the splits:
+(acc / l, log2-sum-exp) and the last split to finish merges them, in the same launch
+(kernels/arrival_counters.py):
 
     seq s, head h:  | split 0 | split 1 | split 2 |  -> partial (o_i, lse_i) each
                     out = sum_i 2^(lse_i - max lse) o_i / sum_i 2^(lse_i - max lse)
@@ -38,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrival_counters import arrive_last, counters_for, reset_counter
 from kernels.device_info import num_sms
 
 LOG2E = 1.4426950408889634
@@ -60,11 +62,11 @@ def _tile_rows(bt_row, pos, valid, head_off, stride_slot, BLOCK_SIZE: tl.constex
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-                   part_out_ptr, part_lse_ptr, k_new_ptr, v_new_ptr, slot_ptr, qk_scale,
+                   part_out_ptr, part_lse_ptr, counter_ptr, k_new_ptr, v_new_ptr, slot_ptr, qk_scale,
                    tokens_per_split, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
                    stride_slot, stride_ch, stride_nb, stride_nh,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, FUSE_STORE: tl.constexpr):
+                   SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, FUSE_STORE: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -123,36 +125,41 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     l_sum = tl.sum(l_i * w, axis=0)
     l_safe = tl.where(l_sum > 0, l_sum, 1.0)
     o = tl.sum(acc * w[:, None], axis=0) / l_safe  # an empty range (or seq_len 0) gives zeros
+    out_ptrs = out_ptr + seq * stride_ob + head * stride_oh + dims
     if SPLIT:
-        part = (seq * tl.num_programs(1) + head) * tl.num_programs(2) + split
-        tl.store(part_out_ptr + part * HEAD_DIM + dims, o)
-        tl.store(part_lse_ptr + part, tl.where(l_sum > 0, m + tl.log2(l_safe), float("-inf")))
+        num_splits = tl.num_programs(2)
+        pair = seq * tl.num_programs(1) + head
+        tl.store(part_out_ptr + (pair * num_splits + split) * HEAD_DIM + dims, o)
+        tl.store(part_lse_ptr + pair * num_splits + split,
+                 tl.where(l_sum > 0, m + tl.log2(l_safe), float("-inf")))
+        if arrive_last(counter_ptr + pair, num_splits):
+            o = _merge_partials(part_out_ptr, part_lse_ptr, pair * num_splits, num_splits,
+                                HEAD_DIM, MAX_SPLITS)
+            reset_counter(counter_ptr + pair)
+            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty))
     else:
-        tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims,
-                 o.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-                         HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+def _merge_partials(part_out_ptr, part_lse_ptr, base, num_splits, HEAD_DIM: tl.constexpr,
+                    MAX_SPLITS: tl.constexpr):
+    """Combine the splits' partials (o_i, lse_i) of one (seq, head), weighted by 2^lse_i."""
     splits = tl.arange(0, MAX_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
-    base = (seq * tl.num_programs(1) + head) * num_splits
-    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"),
+                  cache_modifier=".cg")
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     o = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-                mask=(splits < num_splits)[:, None], other=0.0)
+                mask=(splits < num_splits)[:, None], other=0.0, cache_modifier=".cg")
     total = tl.sum(w, axis=0)
-    o = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty))
+    return tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
 
 
 def num_kv_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Enough splits for about DECODE_PROGRAMS_PER_SM programs per SM, at least one tile each.
-    A full batch (num_seqs * num_heads >= that) gets 1: no partials, no merge kernel."""
+    A full batch (num_seqs * num_heads >= that) gets 1: no partials, no merge."""
     want = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms, max(num_seqs * num_heads, 1))
     return max(1, min(want, triton.cdiv(max_seq_len, DECODE_BLOCK_N)))
 
@@ -180,24 +187,23 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     splits = num_kv_splits(num_seqs, num_heads, max_seq_len, num_sms(q.device))
     tiles_per_split = triton.cdiv(triton.cdiv(max_seq_len, DECODE_BLOCK_N), splits)
     tokens_per_split = tiles_per_split * DECODE_BLOCK_N
-    part_out = part_lse = out  # placeholders, unused when splits == 1
+    part_out = part_lse = counters = out  # placeholders, unused when splits == 1
     if splits > 1:
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
                                device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
+        counters = counters_for(q.device, num_seqs * num_heads)
     k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)  # unused if None
     assert k_new.stride() == v_new.stride() and k_new.stride(2) == 1
     _decode_kernel[(num_seqs, num_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, k_new, v_new,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, counters, k_new,
+        v_new,
         slots, scale * LOG2E, tokens_per_split, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_new.stride(0), k_new.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=DECODE_BLOCK_N, SPLIT=splits > 1,
-        FUSE_STORE=new_kv is not None, num_warps=DECODE_NUM_WARPS)
-    if splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, MAX_SPLITS=triton.next_power_of_2(splits), num_warps=1)
+        MAX_SPLITS=triton.next_power_of_2(splits), FUSE_STORE=new_kv is not None,
+        num_warps=DECODE_NUM_WARPS)
     return out
 
 

@@ -1,12 +1,14 @@
 """GPT-2 as one flat module over a paged KV cache (gpt-fast style: no HF classes at run time).
 
-Residual stream with fused add + LayerNorm. Every norm is one `ops.add_layer_norm` call that
-adds the residual branch and normalises in one pass; the token embedding enters as the first
-"branch" and the position embedding as the first residual, so layer 0 needs no special case:
+Residual stream with the add + LayerNorm fused into the linear that follows it: each block
+entry is one `ops.add_norm_linear` call that adds the branch output to the residual,
+normalises, and multiplies (one launch at decode sizes). The token embedding enters as the
+first "branch" and the position embedding as the first residual, so layer 0 needs no special
+case:
 
     hidden, residual = wte[ids], wpe[pos]
-    per layer:  x, residual = add_ln_1(hidden, residual); hidden = attn(x)
-                x, residual = add_ln_2(hidden, residual); hidden = mlp(x)
+    per layer:  qkv, residual = add_ln_1_c_attn(hidden, residual); hidden = c_proj(attn(qkv))
+                fc, residual = add_ln_2_c_fc_gelu(hidden, residual); hidden = mlp.c_proj(fc)
     out, _ = add_ln_f(hidden, residual)
 
 Weights use F.linear's [out, in] layout (HF's Conv1D stores [in, out]; the loader transposes).
@@ -68,9 +70,10 @@ class Attention(nn.Module):
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens, n_embd = x.shape
-        qkv = self.ops.linear(x, self.c_attn.weight, self.c_attn.bias)
+    def forward(self, qkv: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """qkv: the c_attn output [T, 3 * n_embd] (computed by the block, fused with its norm)."""
+        num_tokens, n_embd = qkv.shape[0], qkv.shape[1] // 3
         q, k, v = (t.view(num_tokens, self.n_head, self.head_dim)
                    for t in qkv.split(n_embd, dim=-1))
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, scale=self.scale)
@@ -85,9 +88,9 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(cfg.n_inner, cfg.n_embd)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.ops.linear(x, self.c_fc.weight, self.c_fc.bias, gelu=True)
-        return self.ops.linear(hidden, self.c_proj.weight, self.c_proj.bias)
+    def forward(self, fc: torch.Tensor) -> torch.Tensor:
+        """fc: GELU(c_fc(x)) (computed by the block, fused with its norm)."""
+        return self.ops.linear(fc, self.c_proj.weight, self.c_proj.bias)
 
 
 class Block(nn.Module):
@@ -103,15 +106,17 @@ class Block(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Takes the previous branch output and residual; returns this block's MLP output and
         the residual it has not yet been added to."""
-        x, residual = _add_norm(self.ops, hidden, residual, self.ln_1)
-        hidden = self.attn(x, kv_cache, meta)
-        x, residual = _add_norm(self.ops, hidden, residual, self.ln_2)
-        return self.mlp(x), residual
+        qkv, residual = _add_norm_linear(self.ops, hidden, residual, self.ln_1, self.attn.c_attn)
+        hidden = self.attn(qkv, kv_cache, meta)
+        fc, residual = _add_norm_linear(self.ops, hidden, residual, self.ln_2, self.mlp.c_fc,
+                                        gelu=True)
+        return self.mlp(fc), residual
 
 
-def _add_norm(ops: Ops, x: torch.Tensor, residual: torch.Tensor,
-              norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
+def _add_norm_linear(ops: Ops, x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm,
+                     linear: nn.Linear, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return ops.add_norm_linear(x, residual, norm.weight, norm.bias, norm.eps, linear.weight,
+                               linear.bias, gelu)
 
 
 class GPT2(nn.Module):
@@ -130,7 +135,8 @@ class GPT2(nn.Module):
         hidden, residual = self.wte(input_ids), self.wpe(positions)
         for block, kv_cache in zip(self.h, kv_caches, strict=True):
             hidden, residual = block(hidden, residual, kv_cache, meta)
-        return _add_norm(self.ops, hidden, residual, self.ln_f)[0]
+        ln_f = self.ln_f
+        return self.ops.add_layer_norm(hidden, residual, ln_f.weight, ln_f.bias, ln_f.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, n_embd] -> float32 logits [N, vocab] through the tied embedding."""

@@ -54,3 +54,14 @@ def poisoned_allocations(monkeypatch):
 def seeded(request):
     """Fresh random inputs for every case, reproducible from its test id."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def counters_left_zeroed():
+    """Every kernel that finishes split reductions through the shared arrival counters must
+    leave them all zero, or the next launch would see a partial count."""
+    from kernels.arrival_counters import arrival_counters
+
+    yield
+    device = torch.device("cpu" if INTERPRET else "cuda")
+    assert not arrival_counters(device).any()

@@ -3,10 +3,21 @@ exactly for the shapes its measured table names."""
 import pytest
 import torch
 
+from engine.layers import add_norm_linear as add_norm_linear_reference
 from engine.layers import linear as linear_reference
+import kernels.linear as linear_module
 from kernel_cases import DEVICE, tol
-from kernels import skinny_gemm
 from kernels.linear import LinearDispatch
+
+
+def _count_skinny_launches(monkeypatch) -> list:
+    calls = []
+    for name in ("skinny_linear", "skinny_add_norm_linear"):
+        real = getattr(linear_module, name)
+        monkeypatch.setattr(linear_module, name,
+                            lambda *a, real=real, name=name, **kw: calls.append(name)
+                            or real(*a, **kw))
+    return calls
 
 
 @pytest.mark.parametrize("gelu", [False, True])
@@ -15,13 +26,31 @@ def test_both_paths_match_reference(m, gelu, monkeypatch):
     n, k = 96, 64
     x = torch.randn(m, k, device=DEVICE)
     weight, bias = torch.randn(n, k, device=DEVICE) / 8, torch.randn(n, device=DEVICE)
-    calls = []
-    real = skinny_gemm.skinny_linear
-    monkeypatch.setattr("kernels.linear.skinny_linear",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _count_skinny_launches(monkeypatch)
     expected = linear_reference(x, weight, bias, gelu)
-    for wins in (frozenset(), frozenset({(n, k, m, gelu)} if m <= 16 else set())):
+    for wins in (frozenset(), frozenset({(n, k, m, gelu, False)} if m <= 16 else set())):
         calls.clear()
         out = LinearDispatch(wins)(x, weight, bias, gelu)
         torch.testing.assert_close(out, expected, **tol(torch.float32))
         assert len(calls) == (1 if wins else 0)
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("m", [1, 16, 40])
+def test_add_norm_linear_paths_match_reference(m, gelu, monkeypatch):
+    """Only a win recorded with the norm takes the fused kernel; one recorded without it
+    takes the add + LayerNorm kernel, then the plain skinny GEMM."""
+    n, k = 96, 64
+    x, residual = torch.randn(m, k, device=DEVICE), torch.randn(m, k, device=DEVICE)
+    ln_w, ln_b = torch.randn(k, device=DEVICE), torch.randn(k, device=DEVICE)
+    weight, bias = torch.randn(n, k, device=DEVICE) / 8, torch.randn(n, device=DEVICE)
+    calls = _count_skinny_launches(monkeypatch)
+    expected = add_norm_linear_reference(x, residual, ln_w, ln_b, 1e-5, weight, bias, gelu)
+    for norm_flag in (False, True):
+        calls.clear()
+        wins = frozenset({(n, k, m, gelu, norm_flag)} if m <= 16 else set())
+        out = LinearDispatch(wins).add_norm_linear(x, residual, ln_w, ln_b, 1e-5, weight, bias,
+                                                   gelu)
+        torch.testing.assert_close(out, expected, **tol(torch.float32))
+        fused = ["skinny_add_norm_linear"] if norm_flag else ["skinny_linear"]
+        assert calls == (fused if wins else [])

@@ -75,7 +75,7 @@ def test_decode_empty_context_gives_zeros():
 
 
 def test_num_kv_splits_rule():
-    assert pa.num_kv_splits(64, 12, 1024, num_sms=132) == 1  # full batch: no merge kernel
+    assert pa.num_kv_splits(64, 12, 1024, num_sms=132) == 1  # full batch: no split, no merge
     assert pa.num_kv_splits(1, 12, 1024, num_sms=132) == 1024 // pa.DECODE_BLOCK_N
     assert pa.num_kv_splits(1, 12, 10, num_sms=132) == 1  # never less than one tile per split
     assert 1 < pa.num_kv_splits(8, 12, 1024, num_sms=132) < 1024 // pa.DECODE_BLOCK_N
