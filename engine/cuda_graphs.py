@@ -65,7 +65,8 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:size], query_start_loc=self.query_start_loc[:size + 1],
             max_query_len=1, max_seq_len=self.max_model_len)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def forward(self, size: int) -> torch.Tensor:
+        """The logits computation a graph of this size records, run eagerly."""
         hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches,
                             self._meta(size))
         return self.model.compute_logits(hidden)
@@ -76,11 +77,11 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = None
         for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: compiles kernels, settles the allocator
+            self.forward(size)  # warm-up: compiles kernels, settles the allocator
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
+                self.logits[size] = self.forward(size)
                 self.greedy[size] = self.logits[size].argmax(dim=-1)
             pool = graph.pool()
             self.graphs[size] = graph

@@ -37,7 +37,8 @@ from engine.layers import bias_gelu as bias_gelu_reference  # noqa: E402
 from kernels import TRITON_OPS  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
 from kernels.gelu import bias_gelu  # noqa: E402
-from kernels.skinny_gemm import skinny_linear  # noqa: E402
+from kernels.skinny_gemm import (AddNorm, skinny_add_norm_linear,  # noqa: E402
+                                 skinny_add_norm_linear_reference, skinny_linear)
 from kernels.store_kv import store_kv  # noqa: E402
 
 DTYPE = torch.float16
@@ -202,7 +203,23 @@ def skinny_rows() -> list[dict]:
                              lambda: skinny_linear(x, w, b, gelu), lambda: act(F.linear(x, w, b)))
                 row["flops"] = 2 * m * n * k
                 rows.append(row)
+                if k == width:  # QKV and FC also come with the block's add + LayerNorm fused
+                    rows.append(add_norm_row(f"skinny add_ln+{name} E{width} M{m}", x, w, b,
+                                             gelu))
     return rows
+
+
+def add_norm_row(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+                 gelu: bool) -> dict:
+    """The fused add + LayerNorm + GEMM against the torch reference of the same three ops."""
+    (m, k), n = x.shape, w.shape[0]
+    norm = AddNorm(torch.randn_like(x), torch.randn(k, device="cuda", dtype=DTYPE),
+                   torch.randn(k, device="cuda", dtype=DTYPE), 1e-5)
+    row = op_row(name, n * k + m * (n + 3 * k),
+                 lambda: skinny_add_norm_linear(x, norm, w, b, gelu)[0],
+                 lambda: skinny_add_norm_linear_reference(x, norm, w, b, gelu)[0])
+    row["flops"] = 2 * m * n * k
+    return row
 
 
 def sweep_rows() -> list[dict]:
