@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.inputs import HostInputs
+from engine.batch import ScheduledSequence
+from engine.inputs import DecodeStager
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 up to max_num_seqs (which is always included)."""
@@ -33,7 +33,8 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
-                 max_blocks_per_seq: int, max_model_len: int, device: torch.device):
+                 max_blocks_per_seq: int, block_size: int, max_model_len: int,
+                 device: torch.device):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
@@ -47,6 +48,8 @@ class DecodeGraphs:
         self._ids32 = torch.zeros(n * (1 + max_blocks_per_seq), dtype=torch.int32, device=device)
         self._ids64_host = torch.zeros_like(self._ids64, device="cpu").pin_memory()
         self._ids32_host = torch.zeros_like(self._ids32, device="cpu").pin_memory()
+        self._stager = DecodeStager(self._ids64_host.numpy(), self._ids32_host.numpy(),
+                                    max_blocks_per_seq, block_size)
         self.token_ids, self.positions, self.slot_mapping = self._ids64
         self.seq_lens = self._ids32[:n]
         self.block_tables = self._ids32[n:].view(n, max_blocks_per_seq)
@@ -88,29 +91,16 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def run(self, inputs: HostInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the graph for this batch. Returns logits [B, vocab] and their argmax [B],
-        views valid until the next replay."""
-        batch = len(inputs.token_ids)
+    def run(self, seqs: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph for this decode batch. Returns logits [B, vocab] and their argmax
+        [B], views valid until the next replay. Reusing the pinned staging memory is safe
+        because each step ends with a host sync on the sampled tokens, after which the
+        previous step's copies have completed."""
+        batch = len(seqs)
         size = next(s for s in self.sizes if s >= batch)
-        self._stage(inputs, size)
+        self._stager.write(seqs, size)
+        self._ids64[:, :size].copy_(self._ids64_host[:, :size], non_blocking=True)
+        used = self.sizes[-1] + size * self.max_blocks_per_seq
+        self._ids32[:used].copy_(self._ids32_host[:used], non_blocking=True)
         self.graphs[size].replay()
         return self.logits[size][:batch], self.greedy[size][:batch]
-
-    def _stage(self, inputs: HostInputs, size: int) -> None:
-        """Write rows [0, B) and padding rows [B, size) into pinned memory, then copy.
-        Reusing the pinned memory is safe because each step ends with a host sync on the
-        sampled tokens, after which the previous step's copies have completed."""
-        batch, n = len(inputs.token_ids), self.sizes[-1]
-        ids64 = self._ids64_host.numpy()
-        ids64[:, :batch] = (inputs.token_ids, inputs.positions, inputs.slot_mapping)
-        ids64[:, batch:size] = np.array([[0], [0], [-1]])
-        ids32 = self._ids32_host.numpy()
-        ids32[:batch] = inputs.seq_lens
-        ids32[batch:size] = 1
-        tables = ids32[n:].reshape(n, self.max_blocks_per_seq)
-        tables[:batch] = inputs.block_tables
-        tables[batch:size] = 0
-        self._ids64[:, :size].copy_(self._ids64_host[:, :size], non_blocking=True)
-        used = n + size * self.max_blocks_per_seq
-        self._ids32[:used].copy_(self._ids32_host[:used], non_blocking=True)

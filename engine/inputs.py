@@ -31,12 +31,6 @@ class HostInputs:
     sample_indices: np.ndarray  # int64: the last token row of each sample=True sequence
     max_query_len: int
 
-    @property
-    def is_decode_step(self) -> bool:
-        """One new token per sequence and every sequence samples (a 1-token prompt chunk
-        that does not reach the end of its prompt has max_query_len 1 but no sample)."""
-        return self.max_query_len == 1 and len(self.sample_indices) == len(self.seq_lens)
-
 
 @dataclass
 class StepInputs:
@@ -46,10 +40,16 @@ class StepInputs:
     sample_indices: torch.Tensor  # [num sample=True seqs] int64: each one's last token row
 
 
+def is_decode_step(seqs: list[ScheduledSequence]) -> bool:
+    """One new token per sequence and every sequence samples (a 1-token prompt chunk that
+    does not reach the end of its prompt is not a decode)."""
+    return all(len(s.token_ids) == 1 and s.sample for s in seqs)
+
+
 def prepare_host_inputs(seqs: list[ScheduledSequence], block_size: int,
                         max_blocks_per_seq: int) -> HostInputs:
     """Varlen inputs of one step, computed with numpy over the whole batch at once."""
-    if all(len(s.token_ids) == 1 and s.sample for s in seqs):
+    if is_decode_step(seqs):
         return _decode_host_inputs(seqs, block_size, max_blocks_per_seq)
     new_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
     starts = np.array([s.start_position for s in seqs], dtype=np.int64)
@@ -96,6 +96,49 @@ def _decode_host_inputs(seqs: list[ScheduledSequence], block_size: int,
         seq_lens=np.array(positions, dtype=np.int32) + 1,
         query_start_loc=np.arange(len(seqs) + 1, dtype=np.int32),
         sample_indices=rows, max_query_len=1)
+
+
+PADDING_ROW = [0]  # a padding row attends to position 0 of block 0 (the cache is zeroed)
+
+
+class DecodeStager:
+    """Writes decode steps (one token per sequence) straight into fixed host arrays, the CUDA
+    graphs' pinned staging buffers, for a padded batch of `size` rows:
+
+        ids64 [3, n]         token ids | positions | slot mapping      padding: 0 | 0 | -1
+        ids32 [n + n * W]    seq_lens (padding: 1) | block tables [n, W] (padding: block 0)
+
+    A block-table row is rewritten only when the blocks it holds differ from the sequence's
+    (a sequence gains a block every block_size tokens; rows shift when the batch changes),
+    compared as Python lists, so a typical step writes no table row at all. Entries past a
+    row's blocks may be stale: the kernels read a table only below the sequence's length."""
+
+    def __init__(self, ids64: np.ndarray, ids32: np.ndarray, max_blocks_per_seq: int,
+                 block_size: int):
+        self.ids64, self.block_size = ids64, block_size
+        n = ids64.shape[1]
+        self.seq_lens = ids32[:n]
+        self.tables = ids32[n:].reshape(n, max_blocks_per_seq)
+        self._rows: list[list[int] | None] = [None] * n  # what each table row holds
+
+    def write(self, seqs: list[ScheduledSequence], size: int) -> None:
+        batch, bs = len(seqs), self.block_size
+        positions = [s.start_position for s in seqs]
+        self.ids64[:, :batch] = (
+            [s.token_ids[0] for s in seqs], positions,
+            [s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, positions)])
+        self.ids64[:, batch:size] = ((0,), (0,), (-1,))
+        self.seq_lens[:batch] = positions
+        self.seq_lens[:batch] += 1
+        self.seq_lens[batch:size] = 1
+        for row, s in enumerate(seqs):
+            if self._rows[row] != s.block_ids:
+                self.tables[row, :len(s.block_ids)] = s.block_ids
+                self._rows[row] = list(s.block_ids)
+        for row in range(batch, size):
+            if self._rows[row] != PADDING_ROW:
+                self.tables[row, 0] = 0
+                self._rows[row] = PADDING_ROW
 
 
 def to_device(host: HostInputs, device: torch.device) -> StepInputs:

@@ -170,8 +170,8 @@ class LLMEngine:
         changed: dict[str, _Group] = {}
         for request, token_logprobs in sampled:
             owner = self._choice_of.get(request.request_id)
-            if owner is None:
-                continue  # aborted since its token was sampled
+            if owner is None or owner[1].request is not request:
+                continue  # aborted since its token was sampled (its id may be reused since)
             group, choice = owner
             try:
                 self._apply_token(choice, request.output_token_ids[len(choice.output.token_ids)],

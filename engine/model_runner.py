@@ -16,7 +16,7 @@ from engine.attention import get_attention_backend
 from engine.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
-from engine.inputs import prepare_host_inputs, to_device
+from engine.inputs import is_decode_step, prepare_host_inputs, to_device
 from engine.layers import TORCH_OPS, Ops
 from engine.models.gpt2 import GPT2Config, load_gpt2, resolve_model_dir
 from engine.request import SamplingParams
@@ -101,7 +101,8 @@ class ModelRunner:
             return None
         sched = self.config.scheduler
         graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
-                              self.max_blocks_per_seq, sched.max_model_len, self.device)
+                              self.max_blocks_per_seq, self.block_size, sched.max_model_len,
+                              self.device)
         seconds = graphs.capture()
         log.info("captured %d decode CUDA graphs (batch sizes 1..%d) in %.1f s",
                  len(graphs.sizes), graphs.max_batch, seconds)
@@ -202,10 +203,10 @@ class ModelRunner:
         """Logits of the sampling rows, plus their argmax when a decode graph computed it."""
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, device=self.device), None
+        if (self.graphs is not None and len(out.sequences) <= self.graphs.max_batch
+                and is_decode_step(out.sequences)):
+            return self.graphs.run(out.sequences)
         host = prepare_host_inputs(out.sequences, self.block_size, self.max_blocks_per_seq)
-        if (self.graphs is not None and host.is_decode_step
-                and len(out.sequences) <= self.graphs.max_batch):
-            return self.graphs.run(host)
         step = to_device(host, self.device)
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         return self.model.compute_logits(hidden[step.sample_indices]), None

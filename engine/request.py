@@ -12,6 +12,7 @@ of that one number:
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -113,6 +114,13 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @functools.cached_property
+    def argmax_of_raw_logits(self) -> bool:
+        """Greedy with nothing that changes the logits or asks for logprobs (min_tokens
+        aside, which depends on the tokens so far). Cached: checked per sequence per step."""
+        return (self.greedy and self.logprobs is None and not self.logit_bias
+                and not self.needs_penalties)
 
 
 @dataclass

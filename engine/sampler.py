@@ -67,8 +67,7 @@ class SamplerOutput:
 def is_plain_greedy(seqs: list[ScheduledSequence]) -> bool:
     """Greedy with nothing that changes the logits or asks for logprobs: the argmax of the
     raw logits is the answer (argmax also turns NaN rows into a valid token id)."""
-    return all(s.params.greedy and s.params.logprobs is None and not s.params.logit_bias
-               and not s.params.needs_penalties and s.num_output_tokens >= s.params.min_tokens
+    return all(s.params.argmax_of_raw_logits and s.num_output_tokens >= s.params.min_tokens
                for s in seqs)
 
 

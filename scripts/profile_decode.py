@@ -39,7 +39,7 @@ def host_phases(llm: LLM, batch: int, steps: int = 100) -> dict:
     engine, runner = llm.engine, llm.engine.runner
     rng = random.Random(0)
     for i in range(batch):
-        engine.add_request(f"p{i}", [rng.randrange(50256) for _ in range(128)],
+        engine.add_request(f"p{batch}-{i}", [rng.randrange(50256) for _ in range(128)],
                            SamplingParams(temperature=0.0, max_tokens=steps + 20,
                                           ignore_eos=True))
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) \
@@ -65,7 +65,7 @@ def host_phases(llm: LLM, batch: int, steps: int = 100) -> dict:
             phases[name].append((b - a) * 1e3)
     engine._sampled = previous
     for i in range(batch):
-        engine.abort(f"p{i}")
+        engine.abort(f"p{batch}-{i}")
     return {k: round(statistics.median(v), 4) for k, v in phases.items()}
 
 

@@ -71,3 +71,20 @@ def test_pipelined_engine_random_workloads(seed, num_blocks, budget, final_only)
         else:
             assert out.finish_reason == "length" and out.token_ids == tokens
     assert engine.block_manager.num_free_blocks == num_blocks
+
+
+def test_request_id_reused_after_abort_gets_only_its_own_tokens():
+    """A token sampled for an aborted request arrives one step late; a new request that took
+    the same id meanwhile must not receive it."""
+    config = EngineConfig.from_flat(block_size=4, num_kv_blocks=32, max_num_seqs=4)
+    engine = LLMEngine(config, runner=PipelinedFakeRunner(32, 4))
+    params = SamplingParams(max_tokens=3, ignore_eos=True, output_kind="final_only")
+    engine.add_request("x", [5, 6, 7], params)
+    engine.step()  # x's first token is sampled; its output is handled next step
+    engine.abort("x")
+    engine.add_request("x", [1, 2], params)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in engine.step() if out.finished]
+    [out] = finals
+    assert out.error is None and out.outputs[0].token_ids == reference_output([1, 2], 3)

@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -168,7 +169,7 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
 def test_host_inputs_decode_fast_path_equals_general_path():
     """The list-based decode path and the numpy varlen path build identical inputs, and a
     1-token prompt chunk that does not sample is never taken for a decode."""
-    from engine.inputs import _decode_host_inputs, prepare_host_inputs
+    from engine.inputs import _decode_host_inputs, is_decode_step, prepare_host_inputs
 
     params = SamplingParams()
     seqs = [ScheduledSequence("a", [7], 37, [4, 9, 2], True, params),
@@ -182,5 +183,39 @@ def test_host_inputs_decode_fast_path_equals_general_path():
     assert fast.slot_mapping.tolist() == [2 * 16 + 5, 5 * 16, 8 * 16]
     chunk = ScheduledSequence("e", [5], 3, [6], False, params)  # mid-prompt, 1 token
     mixed = prepare_host_inputs(seqs + [chunk], 16, 4)
-    assert not mixed.is_decode_step and mixed.sample_indices.tolist() == [0, 1, 2]
-    assert prepare_host_inputs(seqs, 16, 4).is_decode_step
+    assert not is_decode_step(seqs + [chunk]) and mixed.sample_indices.tolist() == [0, 1, 2]
+    assert is_decode_step(seqs)
+
+
+def test_decode_stager_matches_host_inputs_as_the_batch_changes():
+    """The graphs' staging writes what prepare_host_inputs computes, row for row, while rows
+    shift, sequences gain blocks, one is replaced by another with as many blocks, and the
+    padded size shrinks and grows; padding rows are (0, 0, -1), seq_len 1, block 0."""
+    from engine.inputs import DecodeStager, prepare_host_inputs
+
+    n, width, bs = 4, 8, 16
+    ids64, ids32 = np.full((3, n), 99, np.int64), np.full(n * (1 + width), 99, np.int32)
+    stager = DecodeStager(ids64, ids32, width, bs)
+    params = SamplingParams()
+
+    def seq(name, pos, blocks):
+        return ScheduledSequence(name, [pos % 50], pos, blocks, True, params)
+
+    steps = [[seq("a", 15, [4]), seq("b", 40, [1, 2, 3])],
+             [seq("a", 16, [4, 7]), seq("b", 41, [1, 2, 3]), seq("c", 3, [9])],
+             [seq("b", 42, [1, 2, 3]), seq("c", 4, [9])],  # a finished: rows shift up
+             [seq("d", 42, [5, 6, 8]), seq("c", 5, [9])]]  # d: new blocks, same count as b
+    for seqs in steps:
+        size = 4 if len(seqs) > 2 else 2
+        stager.write(seqs, size)
+        host = prepare_host_inputs(seqs, bs, width)
+        b = len(seqs)
+        assert ids64[:, :b].tolist() == [host.token_ids.tolist(), host.positions.tolist(),
+                                         host.slot_mapping.tolist()]
+        assert ids64[:, b:size].T.tolist() == [[0, 0, -1]] * (size - b)
+        tables = ids32[n:].reshape(n, width)
+        assert ids32[:b].tolist() == host.seq_lens.tolist()
+        assert ids32[b:size].tolist() == [1] * (size - b)
+        for row, s in enumerate(seqs):
+            assert tables[row, :len(s.block_ids)].tolist() == s.block_ids
+        assert (tables[b:size, 0] == 0).all()
