@@ -23,7 +23,7 @@ from engine.request import SamplingParams
 @dataclass(slots=True)  # built per sequence per step: slots, not frozen, for speed; read-only
 class ScheduledSequence:
     request_id: str
-    token_ids: list[int]  # the new tokens whose KV this step computes
+    token_ids: list[int]  # the new tokens whose KV this step computes (or [PLACEHOLDER_TOKEN])
     start_position: int  # position of token_ids[0] == tokens already in the cache
     block_ids: list[int]  # the request's whole block table, covering start + len(token_ids)
     sample: bool  # this chunk reaches the end of the sequence: sample the next token
@@ -42,10 +42,16 @@ class ScheduledSequence:
         return self.start_position + len(self.token_ids)
 
 
+# A token id not known yet when the step was scheduled: the one the previous step (still on
+# the device) samples for this sequence. The runner reads it from that step's device output.
+PLACEHOLDER_TOKEN = -1
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     sequences: list[ScheduledSequence] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    step_id: int = 0  # tells Scheduler.update which schedule() these results answer
 
     @property
     def num_tokens(self) -> int:

@@ -16,12 +16,16 @@ length, so the split-KV grid covers any sequence, and the kernels mask by seq_le
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.batch import ScheduledSequence
 from engine.inputs import DecodeStager
+
+if TYPE_CHECKING:
+    from engine.model_runner import SampledOnDevice
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 up to max_num_seqs (which is always included)."""
@@ -42,15 +46,19 @@ class DecodeGraphs:
         n = self.sizes[-1]
         self.max_blocks_per_seq = max_blocks_per_seq
         # two packed buffers, so a step is two host-to-device copies, not five:
-        #   int64 [3, n]:  token ids | positions | slot mapping
+        #   int64 [5, n]:  previous step's sampled tokens (device-filled) | known token ids |
+        #                  positions | slot mapping | token source
         #   int32 flat:    seq_lens (n) | block tables (n x max_blocks_per_seq)
-        self._ids64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        # The graph gathers its input ids from rows 0-1 by token source: a known token's own
+        # entry in row 1, or a placeholder's sampled token in row 0.
+        self._ids64 = torch.zeros(5, n, dtype=torch.int64, device=device)
         self._ids32 = torch.zeros(n * (1 + max_blocks_per_seq), dtype=torch.int32, device=device)
         self._ids64_host = torch.zeros_like(self._ids64, device="cpu").pin_memory()
         self._ids32_host = torch.zeros_like(self._ids32, device="cpu").pin_memory()
         self._stager = DecodeStager(self._ids64_host.numpy(), self._ids32_host.numpy(),
                                     max_blocks_per_seq, block_size)
-        self.token_ids, self.positions, self.slot_mapping = self._ids64
+        self.prev_tokens, _, self.positions, self.slot_mapping, self.token_source = self._ids64
+        self._token_pool = self._ids64[:2].view(-1)
         self.seq_lens = self._ids32[:n]
         self.block_tables = self._ids32[n:].view(n, max_blocks_per_seq)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -70,8 +78,8 @@ class DecodeGraphs:
 
     def forward(self, size: int) -> torch.Tensor:
         """The logits computation a graph of this size records, run eagerly."""
-        hidden = self.model(self.token_ids[:size], self.positions[:size], self.kv_caches,
-                            self._meta(size))
+        token_ids = self._token_pool.index_select(0, self.token_source[:size])
+        hidden = self.model(token_ids, self.positions[:size], self.kv_caches, self._meta(size))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -91,15 +99,19 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def run(self, seqs: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the graph for this decode batch. Returns logits [B, vocab] and their argmax
-        [B], views valid until the next replay. Reusing the pinned staging memory is safe
-        because each step ends with a host sync on the sampled tokens, after which the
-        previous step's copies have completed."""
+    def run(self, seqs: list[ScheduledSequence], sources: list[int],
+            last_sampled: SampledOnDevice | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph for this decode batch; sources[i] >= 0 is the row of sequence i's
+        placeholder token in last_sampled. Returns logits [B, vocab] and their argmax [B],
+        views valid until the next replay. Reusing the pinned staging memory is safe because
+        each step waits for the previous step's tokens, after which its copies have landed."""
         batch = len(seqs)
         size = next(s for s in self.sizes if s >= batch)
-        self._stager.write(seqs, size)
-        self._ids64[:, :size].copy_(self._ids64_host[:, :size], non_blocking=True)
+        self._stager.write(seqs, size, sources)
+        if last_sampled is not None and max(sources) >= 0:
+            sampled = last_sampled.token_ids
+            self.prev_tokens[:len(sampled)].copy_(sampled, non_blocking=True)
+        self._ids64[1:, :size].copy_(self._ids64_host[1:, :size], non_blocking=True)
         used = self.sizes[-1] + size * self.max_blocks_per_seq
         self._ids32[:used].copy_(self._ids32_host[:used], non_blocking=True)
         self.graphs[size].replay()

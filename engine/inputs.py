@@ -105,8 +105,12 @@ class DecodeStager:
     """Writes decode steps (one token per sequence) straight into fixed host arrays, the CUDA
     graphs' pinned staging buffers, for a padded batch of `size` rows:
 
-        ids64 [3, n]         token ids | positions | slot mapping      padding: 0 | 0 | -1
+        ids64 [5, n]         (row 0: filled on the device) | token ids | positions |
+                             slot mapping | token source       padding: 0 | 0 | -1 | n + row
         ids32 [n + n * W]    seq_lens (padding: 1) | block tables [n, W] (padding: block 0)
+
+    The token source of row r is n + r (its own token id, row 1) for a known token, or
+    sources[r] (row 0: the previous step's sampled tokens) for a placeholder.
 
     A block-table row is rewritten only when the blocks it holds differ from the sequence's
     (a sequence gains a block every block_size tokens; rows shift when the batch changes),
@@ -121,13 +125,15 @@ class DecodeStager:
         self.tables = ids32[n:].reshape(n, max_blocks_per_seq)
         self._rows: list[list[int] | None] = [None] * n  # what each table row holds
 
-    def write(self, seqs: list[ScheduledSequence], size: int) -> None:
-        batch, bs = len(seqs), self.block_size
+    def write(self, seqs: list[ScheduledSequence], size: int, sources: list[int]) -> None:
+        batch, bs, n = len(seqs), self.block_size, self.ids64.shape[1]
         positions = [s.start_position for s in seqs]
-        self.ids64[:, :batch] = (
-            [s.token_ids[0] for s in seqs], positions,
-            [s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, positions)])
-        self.ids64[:, batch:size] = ((0,), (0,), (-1,))
+        self.ids64[1:, :batch] = (
+            [max(s.token_ids[0], 0) for s in seqs], positions,
+            [s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
+            [src if src >= 0 else n + row for row, src in enumerate(sources)])
+        self.ids64[1:4, batch:size] = ((0,), (0,), (-1,))
+        self.ids64[4, batch:size] = range(n + batch, n + size)
         self.seq_lens[:batch] = positions
         self.seq_lens[:batch] += 1
         self.seq_lens[batch:size] = 1

@@ -100,7 +100,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self._groups: dict[str, _Group] = {}
         self._choice_of: dict[str, tuple[_Group, _Choice]] = {}  # sequence id -> owner
-        self._sampled: list = []  # (request, logprobs) of the last step, not yet output
+        self._in_flight = None  # (SchedulerOutput, pending result) of the launched step
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
@@ -147,23 +147,26 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """One engine iteration, pipelined so host work overlaps the device:
+        """One engine iteration. Step N+1 is scheduled and launched before step N's tokens
+        are waited for, so the host's scheduling, input staging and output handling overlap
+        the device's work instead of idling it:
 
-            schedule N ─▶ launch N ─▶ [outputs of N-1: detokenize, stop strings] ─▶ wait N ─▶ update N
+            host:    schedule N+1 ─▶ launch N+1 ─▶ wait N ─▶ update N ─▶ outputs of N (detokenize, stop strings)
+            device:  ──── step N ────────────────┘└──── step N+1 ──────────────────────────
 
-        Outputs therefore reach the caller one step after their tokens were sampled. A stop
-        string found for a request already launched in step N only wastes that token: update
-        skips finished requests, and freed blocks are handed out again only by the next
-        schedule, after step N has finished writing them."""
+        Tokens N samples that N+1 needs as input are placeholders the runner fills on the
+        device (see Scheduler). A request that step N ends (EOS, a stop string) may have one
+        wasted token of compute in N+1, whose result update drops."""
         scheduled = self.scheduler.schedule()
-        pending = None if scheduled.is_empty else self.runner.launch(scheduled)
-        outputs = self._process(self._sampled)
-        self._sampled = []
-        if pending is not None:
+        launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled))
+        outputs = []
+        if self._in_flight is not None:
+            previous, pending = self._in_flight
             result = pending.wait()
             logprobs = dict(zip(result.request_ids, result.logprobs))
-            self._sampled = [(request, logprobs.get(request.request_id))
-                             for request in self.scheduler.update(scheduled, result)]
+            outputs = self._process([(request, logprobs.get(request.request_id))
+                                     for request in self.scheduler.update(previous, result)])
+        self._in_flight = launched
         return outputs
 
     def _process(self, sampled: list) -> list[RequestOutput]:

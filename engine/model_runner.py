@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from engine.attention import get_attention_backend
-from engine.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.inputs import is_decode_step, prepare_host_inputs, to_device
@@ -83,6 +83,7 @@ class ModelRunner:
                                get_attention_backend(self.attention_backend))
         self.sampler = Sampler(self.device, config.model.seed)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
+        self._last_sampled: SampledOnDevice | None = None  # feeds the next step's placeholders
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
         self.num_kv_blocks = config.cache.num_kv_blocks or self._num_blocks_that_fit()
@@ -180,18 +181,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingStep:
-        """Queue the step on the device and start copying its tokens back; returns at once."""
+        """Queue the step on the device and start copying its tokens back; returns at once.
+        Placeholder tokens are read from the previous launch's sampled tokens on the device."""
         to_sample = [s for s in out.sequences if s.sample]
-        if not to_sample:
-            self._forward(out)  # prompt chunks only: nothing to sample
-            return PendingStep([], None)
         logits, greedy = self._forward(out)
+        self._last_sampled = None
+        if not to_sample:  # prompt chunks only: nothing to sample
+            return PendingStep([], None)
         if greedy is not None and is_plain_greedy(to_sample):
             sampled = SamplerOutput(greedy, [], [])
         else:
             sampled = self.sampler(logits, to_sample)
         sampled.begin_host_copy()
-        return PendingStep([s.request_id for s in to_sample], sampled)
+        request_ids = [s.request_id for s in to_sample]
+        self._last_sampled = SampledOnDevice(dict(zip(request_ids, range(len(request_ids)))),
+                                             sampled.token_ids)
+        return PendingStep(request_ids, sampled)
 
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the forward (writing KV) and return float32 logits [num sample=True seqs, vocab]
@@ -203,13 +208,42 @@ class ModelRunner:
         """Logits of the sampling rows, plus their argmax when a decode graph computed it."""
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, device=self.device), None
-        if (self.graphs is not None and len(out.sequences) <= self.graphs.max_batch
-                and is_decode_step(out.sequences)):
-            return self.graphs.run(out.sequences)
-        host = prepare_host_inputs(out.sequences, self.block_size, self.max_blocks_per_seq)
+        seqs = out.sequences
+        sources = self._placeholder_sources(seqs)
+        if (self.graphs is not None and len(seqs) <= self.graphs.max_batch
+                and is_decode_step(seqs)):
+            return self.graphs.run(seqs, sources, self._last_sampled)
+        host = prepare_host_inputs(seqs, self.block_size, self.max_blocks_per_seq)
         step = to_device(host, self.device)
+        if any(src >= 0 for src in sources):
+            rows = [i for i, src in enumerate(sources) if src >= 0]
+            dst = torch.tensor(host.query_start_loc[rows], device=self.device)
+            src = torch.tensor([sources[i] for i in rows], device=self.device)
+            step.input_ids[dst] = self._last_sampled.token_ids[src]
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         return self.model.compute_logits(hidden[step.sample_indices]), None
+
+    def _placeholder_sources(self, seqs: list[ScheduledSequence]) -> list[int]:
+        """Per sequence: the row of its placeholder token in the previous launch's sampled
+        tokens, or -1 when its tokens are all known. (A placeholder is always a sequence's
+        only new token: it is the token sampled by the step just before.)"""
+        sources = []
+        for s in seqs:
+            if s.token_ids[0] != PLACEHOLDER_TOKEN:
+                sources.append(-1)
+            elif self._last_sampled is None or s.request_id not in self._last_sampled.rows:
+                raise RuntimeError(f"{s.request_id}: placeholder token, but the previous step "
+                                   f"sampled nothing for it")
+            else:
+                sources.append(self._last_sampled.rows[s.request_id])
+        return sources
+
+
+@dataclass(frozen=True)
+class SampledOnDevice:
+    """A launched step's sampled tokens, still on the device, by request id."""
+    rows: dict[str, int]
+    token_ids: torch.Tensor
 
 
 @dataclass

@@ -133,6 +133,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # scheduled in a step still on the device, not yet applied by Scheduler.update
+    num_pending_tokens: int = 0
+    num_pending_samples: int = 0  # 0 or 1: that step samples this request's next token
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission
     num_preemptions: int = 0
     # timestamps (time.monotonic seconds)

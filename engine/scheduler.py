@@ -13,13 +13,24 @@ Each step:
 `update()` applies the runner's sampled tokens: advance num_computed_tokens, append tokens,
 check EOS / stop token ids / max_tokens / context length, free finished requests' blocks.
 Stop strings need text, so the engine (which detokenizes) finishes those via `finish()`.
+
+Steps may be scheduled ahead: step N+1 is scheduled while step N is still on the device
+(its tokens are "pending"). A request whose next token step N samples gets a
+PLACEHOLDER_TOKEN in step N+1, which the runner fills from step N's device output:
+
+    schedule N ─▶ launch N ─▶ schedule N+1 ─▶ launch N+1 ─▶ update N ─▶ ...
+                              A: [placeholder] at position p+1 (A's token p+1 is N's sample)
+
+A request runs ahead only when the pending token cannot end it by length and no penalty
+needs its output so far; if that token ends it (EOS, stop), step N+1's work for it is
+dropped by update (it was one token's compute, in blocks the request still owned).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 
-from engine.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.request import EOS_TOKEN_ID, Request, RequestStatus
@@ -36,6 +47,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._scheduled: dict[str, int] = {}  # request id -> new tokens in the last schedule()
+        self._step_id = 0
+        self._in_flight: dict[int, dict[str, Request]] = {}  # step id -> its requests
 
     # ------------------------------------------------------------------ intake
     def add(self, request: Request) -> None:
@@ -84,21 +97,43 @@ class Scheduler:
         if not preempted:  # memory is tight: let running requests drain first
             self._admit_waiting(budget)
         now = self.clock()
-        sequences = []
+        sequences, requests = [], {}
         for request in self.running:
             num_new = self._scheduled.get(request.request_id)
             if num_new:
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
-                sequences.append(self._describe(request, num_new))
-        return SchedulerOutput(sequences=sequences, preempted_ids=preempted)
+                seq = self._describe(request, num_new)
+                request.num_pending_tokens += num_new
+                request.num_pending_samples += seq.sample
+                sequences.append(seq)
+                requests[request.request_id] = request
+        self._step_id += 1
+        if sequences:
+            self._in_flight[self._step_id] = requests
+        return SchedulerOutput(sequences=sequences, preempted_ids=preempted,
+                               step_id=self._step_id)
+
+    def _may_schedule(self, request: Request) -> bool:
+        """With its next token still pending, a request runs ahead only if that token cannot
+        end it by length and nothing in this step needs its value (penalties)."""
+        if not request.num_pending_samples:
+            return True
+        ahead = request.num_pending_samples
+        return (request.num_output_tokens + ahead < request.params.max_tokens
+                and request.num_tokens + ahead < self.config.max_model_len
+                and not request.params.needs_penalties)
 
     def _schedule_running(self, budget: int, preempted: list[str]) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            total = request.num_computed_tokens + num_new
+            computed = request.num_computed_tokens + request.num_pending_tokens
+            num_new = min(request.num_tokens + request.num_pending_samples - computed, budget)
+            if num_new <= 0 or not self._may_schedule(request):
+                i += 1
+                continue
+            total = computed + num_new
             while not self.block_manager.grow(request.request_id, total):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -134,24 +169,28 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending_tokens = request.num_pending_samples = 0  # their results are dropped
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _describe(self, request: Request, num_new: int) -> ScheduledSequence:
-        start = request.num_computed_tokens
+        start = request.num_computed_tokens + request.num_pending_tokens
+        end = start + num_new
+        known = min(end, request.num_tokens)  # tokens past it are pending: placeholders
         params = request.params
         penalties = params.needs_penalties
         return ScheduledSequence(
             request_id=request.request_id,
-            token_ids=request.tokens_between(start, start + num_new),
+            token_ids=(request.tokens_between(start, known)
+                       + [PLACEHOLDER_TOKEN] * (end - max(start, known))),
             start_position=start,
             block_ids=list(self.block_manager.block_ids(request.request_id)),
-            sample=start + num_new == request.num_tokens,
+            sample=end == request.num_tokens + request.num_pending_samples,
             params=params,
             output_token_ids=tuple(request.output_token_ids) if penalties else (),
             prompt_token_ids=tuple(request.prompt_token_ids) if penalties else (),
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=request.num_output_tokens + request.num_pending_samples,
         )
 
     # ----------------------------------------------------------------- update
@@ -159,11 +198,14 @@ class Scheduler:
         """Apply one step's results. Returns requests that got a new token or finished."""
         now = self.clock()
         sampled = dict(zip(output.request_ids, output.sampled_token_ids))
+        requests = self._in_flight.pop(scheduled.step_id, {})
         changed = []
         for seq in scheduled.sequences:
-            request = self.requests.get(seq.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            request = requests[seq.request_id]  # the very request scheduled (ids may be reused)
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished or preempted since it was scheduled
+            request.num_pending_tokens -= seq.num_new_tokens
+            request.num_pending_samples -= seq.sample
             request.num_computed_tokens += seq.num_new_tokens
             self._cache_new_full_blocks(request, seq.num_new_tokens)
             token = sampled.get(seq.request_id)

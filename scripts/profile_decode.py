@@ -34,9 +34,9 @@ def replay_ms(runner, batch: int, repeats: int = 200) -> float:
 
 
 def host_phases(llm: LLM, batch: int, steps: int = 100) -> dict:
-    """Run `steps` decode steps phase by phase, as LLMEngine.step() does, timing each
-    (outputs_prev overlaps the device)."""
-    engine, runner = llm.engine, llm.engine.runner
+    """Run `steps` decode steps through LLMEngine.step(), timing the phases it calls (wait
+    overlaps the device, and so does everything after launch while the next step runs)."""
+    engine = llm.engine
     rng = random.Random(0)
     for i in range(batch):
         engine.add_request(f"p{batch}-{i}", [rng.randrange(50256) for _ in range(128)],
@@ -45,28 +45,43 @@ def host_phases(llm: LLM, batch: int, steps: int = 100) -> dict:
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()
-    phases = {k: [] for k in ("schedule", "launch", "outputs_prev", "wait", "update",
-                              "total")}
-    previous, engine._sampled = engine._sampled, []  # take over the engine's pipeline
+    timings = {name: [] for name in ("schedule", "launch", "wait", "update", "outputs")}
+    timed = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "launch", "launch"),
+             (engine.scheduler, "update", "update"), (engine, "_process", "outputs")]
+    originals = [getattr(obj, name) for obj, name, _ in timed]
+    for (obj, name, phase), fn in zip(timed, originals):
+        setattr(obj, name, _timed(fn, timings[phase]))
+    launch = engine.runner.launch
+    engine.runner.launch = lambda out: _TimedWait(launch(out), timings["wait"])
+    totals = []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        scheduled = engine.scheduler.schedule()
-        t1 = time.perf_counter()
-        pending = runner.launch(scheduled)
-        t2 = time.perf_counter()
-        engine._process(previous)
-        t3 = time.perf_counter()
-        result = pending.wait()
-        t4 = time.perf_counter()
-        previous = [(r, None) for r in engine.scheduler.update(scheduled, result)]
-        t5 = time.perf_counter()
-        for name, a, b in [("schedule", t0, t1), ("launch", t1, t2), ("outputs_prev", t2, t3),
-                           ("wait", t3, t4), ("update", t4, t5), ("total", t0, t5)]:
-            phases[name].append((b - a) * 1e3)
-    engine._sampled = previous
+        start = time.perf_counter()
+        engine.step()
+        totals.append((time.perf_counter() - start) * 1e3)
+    for (obj, name, _), fn in zip(timed, originals):
+        setattr(obj, name, fn)
     for i in range(batch):
         engine.abort(f"p{batch}-{i}")
-    return {k: round(statistics.median(v), 4) for k, v in phases.items()}
+    result = {k: round(statistics.median(v), 4) for k, v in timings.items()}
+    return {**result, "step_total": round(statistics.median(totals), 4)}
+
+
+def _timed(fn, sink: list):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sink.append((time.perf_counter() - start) * 1e3)
+    return wrapper
+
+
+class _TimedWait:
+    def __init__(self, pending, sink: list):
+        self.pending, self.sink = pending, sink
+
+    def wait(self):
+        return _timed(self.pending.wait, self.sink)()
 
 
 def graph_kernel_count(runner, batch: int) -> int:

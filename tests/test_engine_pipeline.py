@@ -2,11 +2,12 @@
 prefix-dependent fake runner from test_scheduler (no torch): every request ends exactly once,
 its tokens are a prefix of the reference, stop strings cut the text, and no block leaks."""
 import random
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batch import SchedulerOutput
+from engine.batch import PLACEHOLDER_TOKEN, SchedulerOutput
 from engine.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.request import SamplingParams
@@ -23,12 +24,26 @@ class _Done:
 
 
 class PipelinedFakeRunner(FakeRunner):
+    """Runs each step at launch; a placeholder token becomes the token the previous launch
+    sampled for that request (as the real runner reads it from the device)."""
+
     def __init__(self, num_blocks: int, block_size: int):
         super().__init__(num_blocks, block_size)
         self.num_kv_blocks = num_blocks
+        self.last_sampled: dict[str, int] = {}
+        self.placeholders_filled = 0
 
     def launch(self, out: SchedulerOutput) -> _Done:
-        return _Done(self.execute(out))
+        resolved = []
+        for seq in out.sequences:
+            if seq.token_ids == [PLACEHOLDER_TOKEN]:
+                seq = replace(seq, token_ids=[self.last_sampled[seq.request_id]])
+                self.placeholders_filled += 1
+            assert PLACEHOLDER_TOKEN not in seq.token_ids
+            resolved.append(seq)
+        result = self.execute(replace(out, sequences=resolved))
+        self.last_sampled = dict(zip(result.request_ids, result.sampled_token_ids))
+        return _Done(result)
 
 
 @settings(max_examples=25, deadline=None)
@@ -88,3 +103,4 @@ def test_request_id_reused_after_abort_gets_only_its_own_tokens():
         finals += [out for out in engine.step() if out.finished]
     [out] = finals
     assert out.error is None and out.outputs[0].token_ids == reference_output([1, 2], 3)
+    assert engine.runner.placeholders_filled > 0  # decode steps were scheduled ahead

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.attention import TorchAttention
-from engine.batch import ScheduledSequence, SchedulerOutput
+from engine.batch import PLACEHOLDER_TOKEN, ScheduledSequence, SchedulerOutput
 from engine.config import EngineConfig
 from engine.layers import TORCH_OPS
 from engine.model_runner import ModelRunner
@@ -194,7 +194,7 @@ def test_decode_stager_matches_host_inputs_as_the_batch_changes():
     from engine.inputs import DecodeStager, prepare_host_inputs
 
     n, width, bs = 4, 8, 16
-    ids64, ids32 = np.full((3, n), 99, np.int64), np.full(n * (1 + width), 99, np.int32)
+    ids64, ids32 = np.full((5, n), 99, np.int64), np.full(n * (1 + width), 99, np.int32)
     stager = DecodeStager(ids64, ids32, width, bs)
     params = SamplingParams()
 
@@ -207,15 +207,19 @@ def test_decode_stager_matches_host_inputs_as_the_batch_changes():
              [seq("d", 42, [5, 6, 8]), seq("c", 5, [9])]]  # d: new blocks, same count as b
     for seqs in steps:
         size = 4 if len(seqs) > 2 else 2
-        stager.write(seqs, size)
+        stager.write(seqs, size, [-1] * len(seqs))
         host = prepare_host_inputs(seqs, bs, width)
         b = len(seqs)
-        assert ids64[:, :b].tolist() == [host.token_ids.tolist(), host.positions.tolist(),
-                                         host.slot_mapping.tolist()]
-        assert ids64[:, b:size].T.tolist() == [[0, 0, -1]] * (size - b)
+        assert ids64[1:4, :b].tolist() == [host.token_ids.tolist(), host.positions.tolist(),
+                                           host.slot_mapping.tolist()]
+        assert ids64[4, :size].tolist() == list(range(n, n + size))  # each row's own token
+        assert ids64[1:4, b:size].T.tolist() == [[0, 0, -1]] * (size - b)
         tables = ids32[n:].reshape(n, width)
         assert ids32[:b].tolist() == host.seq_lens.tolist()
         assert ids32[b:size].tolist() == [1] * (size - b)
         for row, s in enumerate(seqs):
             assert tables[row, :len(s.block_ids)].tolist() == s.block_ids
         assert (tables[b:size, 0] == 0).all()
+    placeholder = ScheduledSequence("c", [PLACEHOLDER_TOKEN], 6, [9], True, params)
+    stager.write([seq("d", 43, [5, 6, 8]), placeholder], 2, [-1, 3])
+    assert ids64[4, :2].tolist() == [n, 3]  # c's token is row 3 of the previous step's samples
