@@ -111,7 +111,9 @@ class DecodeGraphs:
         if last_sampled is not None and max(sources) >= 0:
             sampled = last_sampled.token_ids
             self.prev_tokens[:len(sampled)].copy_(sampled, non_blocking=True)
-        self._ids64[1:, :size].copy_(self._ids64_host[1:, :size], non_blocking=True)
+        # whole rows: a column slice is not contiguous, and torch would stage it through
+        # pageable memory, whose copy waits for the step still running on the device
+        self._ids64[1:].copy_(self._ids64_host[1:], non_blocking=True)
         used = self.sizes[-1] + size * self.max_blocks_per_seq
         self._ids32[:used].copy_(self._ids32_host[:used], non_blocking=True)
         self.graphs[size].replay()

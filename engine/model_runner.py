@@ -16,7 +16,7 @@ from engine.attention import get_attention_backend
 from engine.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
-from engine.inputs import is_decode_step, prepare_host_inputs, to_device
+from engine.inputs import is_decode_step, prepare_host_inputs, to_device, upload
 from engine.layers import TORCH_OPS, Ops
 from engine.models.gpt2 import GPT2Config, load_gpt2, resolve_model_dir
 from engine.request import SamplingParams
@@ -217,8 +217,8 @@ class ModelRunner:
         step = to_device(host, self.device)
         if any(src >= 0 for src in sources):
             rows = [i for i, src in enumerate(sources) if src >= 0]
-            dst = torch.tensor(host.query_start_loc[rows], device=self.device)
-            src = torch.tensor([sources[i] for i in rows], device=self.device)
+            dst = upload(host.query_start_loc[rows], torch.int64, self.device)
+            src = upload([sources[i] for i in rows], torch.int64, self.device)
             step.input_ids[dst] = self._last_sampled.token_ids[src]
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         return self.model.compute_logits(hidden[step.sample_indices]), None
