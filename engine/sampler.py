@@ -6,7 +6,8 @@
       ─▶ other rows:  / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race
 
 Each stage that no sequence in the batch uses is skipped, so a plain batch pays for the
-softmax and the race only. The exponential race, argmax(p / E) with E ~ Exp(1), draws from p
+softmax and the race only. Per-row parameters reach the device through pinned memory
+(`engine.inputs.upload`), so sampling never waits for the step still running before it. The exponential race, argmax(p / E) with E ~ Exp(1), draws from p
 without a CDF search; a seeded request draws its E from its own generator, seeded from
 (seed, tokens generated so far), so its tokens don't depend on its batch or on preemption.
 """
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from engine.batch import ScheduledSequence, TokenLogprobs
+from engine.inputs import upload
 from engine.request import EOS_TOKEN_ID
 
 NEG_INF = float("-inf")
@@ -107,8 +109,7 @@ def sanitize(logits: torch.Tensor) -> torch.Tensor:
 
 def _rows_tokens(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
     rows, tokens = zip(*pairs)
-    return (torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(tokens, dtype=torch.long, device=device))
+    return upload(rows, torch.long, device), upload(tokens, torch.long, device)
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
@@ -118,7 +119,7 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> tor
     if not entries:
         return logits
     rows, tokens = _rows_tokens([(i, tok) for i, tok, _ in entries], logits.device)
-    bias = torch.tensor([b for *_, b in entries], dtype=logits.dtype, device=logits.device)
+    bias = upload([b for *_, b in entries], logits.dtype, logits.device)
     return logits.index_put((rows, tokens), bias, accumulate=True)
 
 
@@ -135,8 +136,7 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> tor
             banned += [(i, tok) for tok in sorted(stops) if tok < vocab]
     if not banned:
         return logits
-    return logits.index_put(_rows_tokens(banned, logits.device),
-                            torch.tensor(NEG_INF, device=logits.device))
+    return logits.index_put(_rows_tokens(banned, logits.device), logits.new_full((), NEG_INF))
 
 
 def _token_matrix(token_lists: list[tuple[int, ...]], pad: int, device) -> torch.Tensor:
@@ -144,7 +144,7 @@ def _token_matrix(token_lists: list[tuple[int, ...]], pad: int, device) -> torch
     matrix = np.full((len(token_lists), max(map(len, token_lists), default=0)), pad, np.int64)
     for row, tokens in enumerate(token_lists):
         matrix[row, :len(tokens)] = tokens
-    return torch.from_numpy(matrix).to(device)
+    return upload(matrix, torch.int64, device)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
@@ -156,7 +156,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torc
     device = logits.device
 
     def per_row(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(s.params, name) for s in seqs], device=device)[:, None]
+        return upload([getattr(s.params, name) for s in seqs], torch.float32, device)[:, None]
 
     # the extra column `vocab` collects padding and is dropped
     outputs = _token_matrix([s.output_token_ids if s.params.needs_penalties else ()
@@ -183,26 +183,26 @@ def sample(logits: torch.Tensor, seqs: list[ScheduledSequence],
     sampled = _random_sample(_filter(logits, seqs), seqs, generator)
     if not any(greedy):
         return sampled
-    greedy_mask = torch.tensor(greedy, device=logits.device)
+    greedy_mask = upload(greedy, torch.bool, logits.device)
     return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
 
 
 def _filter(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (each only when some row uses it)."""
     device, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=device)[:, None]
+    temps = upload([s.params.temperature or 1.0 for s in seqs], torch.float32, device)[:, None]
     # +inf became finfo.max, which / temperature < 1 overflows again: clamp back
     logits = (logits / temps).clamp(max=torch.finfo(logits.dtype).max)
     top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
     # top_p 1 must keep everything, even where rounding lets the cumulative mass reach 1 early
     top_p = [s.params.top_p if s.params.top_p < 1.0 else float("inf") for s in seqs]
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _top_k_top_p(logits, torch.tensor(top_k, device=device),
-                              torch.tensor(top_p, device=device))
+        logits = _top_k_top_p(logits, upload(top_k, torch.int64, device),
+                              upload(top_p, torch.float32, device))
     min_p = [s.params.min_p for s in seqs]
     if any(p > 0.0 for p in min_p):
         probs = logits.softmax(dim=-1)
-        floor = torch.tensor(min_p, device=device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        floor = upload(min_p, torch.float32, device)[:, None] * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, NEG_INF)
     return logits
 
