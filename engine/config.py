@@ -72,6 +72,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running requests at once
     max_num_batched_tokens: int = 2048  # token budget of one forward pass
     max_model_len: int = MAX_CONTEXT  # prompt + output tokens of one request
+    # schedule step N+1 while step N runs (LLMEngine.step); off: each step is waited for
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")

@@ -156,18 +156,20 @@ class LLMEngine:
 
         Tokens N samples that N+1 needs as input are placeholders the runner fills on the
         device (see Scheduler). A request that step N ends (EOS, a stop string) may have one
-        wasted token of compute in N+1, whose result update drops."""
+        wasted token of compute in N+1, whose result update drops. With async_scheduling off,
+        each step is waited for and applied before step() returns."""
         scheduled = self.scheduler.schedule()
         launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled))
-        outputs = []
-        if self._in_flight is not None:
-            previous, pending = self._in_flight
-            result = pending.wait()
-            logprobs = dict(zip(result.request_ids, result.logprobs))
-            outputs = self._process([(request, logprobs.get(request.request_id))
-                                     for request in self.scheduler.update(previous, result)])
-        self._in_flight = launched
-        return outputs
+        to_finish = launched
+        if self.config.scheduler.async_scheduling:
+            to_finish, self._in_flight = self._in_flight, launched
+        if to_finish is None:
+            return []
+        scheduled, pending = to_finish
+        result = pending.wait()
+        logprobs = dict(zip(result.request_ids, result.logprobs))
+        return self._process([(request, logprobs.get(request.request_id))
+                              for request in self.scheduler.update(scheduled, result)])
 
     def _process(self, sampled: list) -> list[RequestOutput]:
         changed: dict[str, _Group] = {}

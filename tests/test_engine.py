@@ -45,7 +45,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_T
     {"enable_prefix_caching": False},
     {"max_num_batched_tokens": 7},
     {"num_kv_blocks": 80, "block_size": 4, "max_num_batched_tokens": 64},
-], ids=["prefix-cache", "no-prefix-cache", "chunk-7", "preemption"])
+    {"async_scheduling": False},
+    {"async_scheduling": False, "num_kv_blocks": 80, "block_size": 4,
+     "max_num_batched_tokens": 64},
+], ids=["prefix-cache", "no-prefix-cache", "chunk-7", "preemption", "sync",
+        "sync-preemption"])
 def test_greedy_matches_transformers(tiny_checkpoint, prompts, hf_greedy, overrides):
     llm = make_llm(tiny_checkpoint, **overrides)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -1,6 +1,7 @@
-"""The pipelined LLMEngine.step() under random arrivals, aborts and stop strings, with the
-prefix-dependent fake runner from test_scheduler (no torch): every request ends exactly once,
-its tokens are a prefix of the reference, stop strings cut the text, and no block leaks."""
+"""LLMEngine.step(), with and without scheduling ahead, under random arrivals, aborts and stop
+strings, with the prefix-dependent fake runner from test_scheduler (no torch): every request
+ends exactly once, its tokens are a prefix of the reference, stop strings cut the text, and
+no block leaks."""
 import random
 from dataclasses import replace
 
@@ -46,13 +47,15 @@ class PipelinedFakeRunner(FakeRunner):
         return _Done(result)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), num_blocks=st.integers(12, 40),
-       budget=st.integers(1, 24), final_only=st.booleans())
-def test_pipelined_engine_random_workloads(seed, num_blocks, budget, final_only):
+       budget=st.integers(1, 24), final_only=st.booleans(), async_scheduling=st.booleans())
+def test_pipelined_engine_random_workloads(seed, num_blocks, budget, final_only,
+                                           async_scheduling):
     rng = random.Random(seed)
     config = EngineConfig.from_flat(block_size=4, num_kv_blocks=num_blocks, max_num_seqs=4,
-                                    max_num_batched_tokens=budget)
+                                    max_num_batched_tokens=budget,
+                                    async_scheduling=async_scheduling)
     engine = LLMEngine(config, runner=PipelinedFakeRunner(num_blocks, 4))
     text_of = Tokenizer().decode
     expected, aborted, finals = {}, set(), {}
@@ -91,7 +94,8 @@ def test_pipelined_engine_random_workloads(seed, num_blocks, budget, final_only)
 def test_request_id_reused_after_abort_gets_only_its_own_tokens():
     """A token sampled for an aborted request arrives one step late; a new request that took
     the same id meanwhile must not receive it."""
-    config = EngineConfig.from_flat(block_size=4, num_kv_blocks=32, max_num_seqs=4)
+    config = EngineConfig.from_flat(block_size=4, num_kv_blocks=32, max_num_seqs=4,
+                                    async_scheduling=True)
     engine = LLMEngine(config, runner=PipelinedFakeRunner(32, 4))
     params = SamplingParams(max_tokens=3, ignore_eos=True, output_kind="final_only")
     engine.add_request("x", [5, 6, 7], params)
