@@ -114,11 +114,9 @@ class Scheduler:
         return SchedulerOutput(sequences=sequences, preempted_ids=preempted,
                                step_id=self._step_id)
 
-    def _may_schedule(self, request: Request) -> bool:
+    def _may_run_ahead(self, request: Request) -> bool:
         """With its next token still pending, a request runs ahead only if that token cannot
         end it by length and nothing in this step needs its value (penalties)."""
-        if not request.num_pending_samples:
-            return True
         ahead = request.num_pending_samples
         return (request.num_output_tokens + ahead < request.params.max_tokens
                 and request.num_tokens + ahead < self.config.max_model_len
@@ -130,7 +128,8 @@ class Scheduler:
             request = self.running[i]
             computed = request.num_computed_tokens + request.num_pending_tokens
             num_new = min(request.num_tokens + request.num_pending_samples - computed, budget)
-            if num_new <= 0 or not self._may_schedule(request):
+            if num_new <= 0 or (request.num_pending_samples
+                                and not self._may_run_ahead(request)):
                 i += 1
                 continue
             total = computed + num_new
@@ -177,21 +176,22 @@ class Scheduler:
     def _describe(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens + request.num_pending_tokens
         end = start + num_new
-        known = min(end, request.num_tokens)  # tokens past it are pending: placeholders
+        num_tokens = request.num_tokens
+        if start >= num_tokens:  # decoding ahead: the one new token is still pending
+            token_ids = [PLACEHOLDER_TOKEN] * num_new
+        else:
+            known = min(end, num_tokens)
+            token_ids = (request.tokens_between(start, known)
+                         + [PLACEHOLDER_TOKEN] * (end - known))
         params = request.params
         penalties = params.needs_penalties
         return ScheduledSequence(
-            request_id=request.request_id,
-            token_ids=(request.tokens_between(start, known)
-                       + [PLACEHOLDER_TOKEN] * (end - max(start, known))),
-            start_position=start,
+            request_id=request.request_id, token_ids=token_ids, start_position=start,
             block_ids=list(self.block_manager.block_ids(request.request_id)),
-            sample=end == request.num_tokens + request.num_pending_samples,
-            params=params,
+            sample=end == num_tokens + request.num_pending_samples, params=params,
             output_token_ids=tuple(request.output_token_ids) if penalties else (),
             prompt_token_ids=tuple(request.prompt_token_ids) if penalties else (),
-            num_output_tokens=request.num_output_tokens + request.num_pending_samples,
-        )
+            num_output_tokens=request.num_output_tokens + request.num_pending_samples)
 
     # ----------------------------------------------------------------- update
     def update(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
@@ -204,10 +204,11 @@ class Scheduler:
             request = requests[seq.request_id]  # the very request scheduled (ids may be reused)
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
-            request.num_pending_tokens -= seq.num_new_tokens
+            num_new = len(seq.token_ids)
+            request.num_pending_tokens -= num_new
             request.num_pending_samples -= seq.sample
-            request.num_computed_tokens += seq.num_new_tokens
-            self._cache_new_full_blocks(request, seq.num_new_tokens)
+            request.num_computed_tokens += num_new
+            self._cache_new_full_blocks(request, num_new)
             token = sampled.get(seq.request_id)
             if token is None:
                 continue  # a prompt chunk that did not reach the end
