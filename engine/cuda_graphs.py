@@ -53,10 +53,12 @@ class DecodeGraphs:
         # entry in row 1, or a placeholder's sampled token in row 0.
         self._ids64 = torch.zeros(5, n, dtype=torch.int64, device=device)
         self._ids32 = torch.zeros(n * (1 + max_blocks_per_seq), dtype=torch.int32, device=device)
-        self._ids64_host = torch.zeros_like(self._ids64, device="cpu").pin_memory()
-        self._ids32_host = torch.zeros_like(self._ids32, device="cpu").pin_memory()
-        self._stager = DecodeStager(self._ids64_host.numpy(), self._ids32_host.numpy(),
-                                    max_blocks_per_seq, block_size)
+        # Two pinned staging buffers, used in turn: when step N+1 is staged (scheduling
+        # ahead), step N's copies may still be queued behind step N-1 on the device, so
+        # N+1 writes the buffer N-1 used, whose copies are done (N-1 was waited for).
+        self._staging = [_PinnedStaging(self._ids64, self._ids32, max_blocks_per_seq,
+                                        block_size) for _ in range(2)]
+        self._steps_staged = 0
         self.prev_tokens, _, self.positions, self.slot_mapping, self.token_source = self._ids64
         self._token_pool = self._ids64[:2].view(-1)
         self.seq_lens = self._ids32[:n]
@@ -103,18 +105,30 @@ class DecodeGraphs:
             last_sampled: SampledOnDevice | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for this decode batch; sources[i] >= 0 is the row of sequence i's
         placeholder token in last_sampled. Returns logits [B, vocab] and their argmax [B],
-        views valid until the next replay. Reusing the pinned staging memory is safe because
-        each step waits for the previous step's tokens, after which its copies have landed."""
+        views valid until the next replay."""
         batch = len(seqs)
         size = next(s for s in self.sizes if s >= batch)
-        self._stager.write(seqs, size, sources)
+        staging = self._staging[self._steps_staged % 2]
+        self._steps_staged += 1
+        staging.stager.write(seqs, size, sources)
         if last_sampled is not None and max(sources) >= 0:
             sampled = last_sampled.token_ids
             self.prev_tokens[:len(sampled)].copy_(sampled, non_blocking=True)
         # whole rows: a column slice is not contiguous, and torch would stage it through
         # pageable memory, whose copy waits for the step still running on the device
-        self._ids64[1:].copy_(self._ids64_host[1:], non_blocking=True)
+        self._ids64[1:].copy_(staging.ids64[1:], non_blocking=True)
         used = self.sizes[-1] + size * self.max_blocks_per_seq
-        self._ids32[:used].copy_(self._ids32_host[:used], non_blocking=True)
+        self._ids32[:used].copy_(staging.ids32[:used], non_blocking=True)
         self.graphs[size].replay()
         return self.logits[size][:batch], self.greedy[size][:batch]
+
+
+class _PinnedStaging:
+    """Pinned host mirrors of the graphs' two input buffers, with the stager that fills them."""
+
+    def __init__(self, ids64: torch.Tensor, ids32: torch.Tensor, max_blocks_per_seq: int,
+                 block_size: int):
+        self.ids64 = torch.zeros_like(ids64, device="cpu").pin_memory()
+        self.ids32 = torch.zeros_like(ids32, device="cpu").pin_memory()
+        self.stager = DecodeStager(self.ids64.numpy(), self.ids32.numpy(), max_blocks_per_seq,
+                                   block_size)
