@@ -151,8 +151,9 @@ class LLMEngine:
         are waited for, so the host's scheduling, input staging and output handling overlap
         the device's work instead of idling it:
 
-            host:    schedule N+1 ─▶ launch N+1 ─▶ wait N ─▶ update N ─▶ outputs of N (detokenize, stop strings)
-            device:  ──── step N ────────────────┘└──── step N+1 ──────────────────────────
+            host:    schedule N+1 ─▶ launch N+1 ─▶ wait N ─▶ update N ─▶ outputs of N
+            device:  ──── step N ────────────────┘└──── step N+1 ─────────────────────
+                                                   (outputs: detokenize, stop strings)
 
         Tokens N samples that N+1 needs as input are placeholders the runner fills on the
         device (see Scheduler). A request that step N ends (EOS, a stop string) may have one

@@ -6,10 +6,11 @@
       ─▶ other rows:  / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race
 
 Each stage that no sequence in the batch uses is skipped, so a plain batch pays for the
-softmax and the race only. Per-row parameters reach the device through pinned memory
-(`engine.inputs.upload`), so sampling never waits for the step still running before it. The exponential race, argmax(p / E) with E ~ Exp(1), draws from p
+softmax and the race only. The exponential race, argmax(p / E) with E ~ Exp(1), draws from p
 without a CDF search; a seeded request draws its E from its own generator, seeded from
 (seed, tokens generated so far), so its tokens don't depend on its batch or on preemption.
+Per-row parameters reach the device through pinned memory (`engine.inputs.upload`), so
+sampling never waits for the step still running before it.
 """
 from __future__ import annotations
 

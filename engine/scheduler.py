@@ -48,7 +48,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._scheduled: dict[str, int] = {}  # request id -> new tokens in the last schedule()
         self._step_id = 0
-        self._in_flight: dict[int, dict[str, Request]] = {}  # step id -> its requests
+        self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
 
     # ------------------------------------------------------------------ intake
     def add(self, request: Request) -> None:
@@ -110,7 +110,7 @@ class Scheduler:
                 requests[request.request_id] = request
         self._step_id += 1
         if sequences:
-            self._in_flight[self._step_id] = requests
+            self._step_requests[self._step_id] = requests
         return SchedulerOutput(sequences=sequences, preempted_ids=preempted,
                                step_id=self._step_id)
 
@@ -198,7 +198,7 @@ class Scheduler:
         """Apply one step's results. Returns requests that got a new token or finished."""
         now = self.clock()
         sampled = dict(zip(output.request_ids, output.sampled_token_ids))
-        requests = self._in_flight.pop(scheduled.step_id, {})
+        requests = self._step_requests.pop(scheduled.step_id, {})
         changed = []
         for seq in scheduled.sequences:
             request = requests[seq.request_id]  # the very request scheduled (ids may be reused)
