@@ -46,7 +46,7 @@ class SamplerOutput:
         if self.logprob_rows:
             tensors += [self.sampled_logprobs, self.top_ids, self.top_logprobs]
         if not tensors[0].is_cuda:
-            self.host = tensors
+            self.host = [t.clone() for t in tensors]  # a snapshot, as the copy would be
             return
         self.host = [t.to("cpu", non_blocking=True) for t in tensors]
         self.ready = torch.cuda.Event()

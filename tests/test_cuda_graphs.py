@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import capture_sizes
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
 
 
 def test_capture_sizes_cover_every_batch():
@@ -27,4 +27,47 @@ def test_graph_decode_equals_eager(tiny_checkpoint, dtype):
                   enforce_eager=eager, num_kv_blocks=512)
         assert (llm.engine.runner.graphs is None) == eager
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert results[0] == results[1]
+
+
+class _EagerReplay:
+    """Stands in for a captured graph on CPU: replay recomputes the graph's outputs in place."""
+
+    def __init__(self, graphs: DecodeGraphs, size: int):
+        self.graphs, self.size = graphs, size
+
+    def replay(self) -> None:
+        logits = self.graphs.forward(self.size)
+        self.graphs.logits[self.size].copy_(logits)
+        self.graphs.greedy[self.size].copy_(logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
+                                                  async_scheduling):
+    """The graph path's inputs (pinned staging used in turn, changed-row block tables, the
+    token-source gather that fills placeholders) give the eager path's tokens. Graphs are
+    replaced by eager replays, so this runs without CUDA."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
+    rng = random.Random(3)
+    prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 40))] for _ in range(7)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    results = []
+    for with_graphs in (False, True):
+        llm = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_num_seqs=4,
+                  num_kv_blocks=128, block_size=8, attention_backend="torch",
+                  async_scheduling=async_scheduling)
+        runner = llm.engine.runner
+        if with_graphs:
+            graphs = DecodeGraphs(runner.model, runner.kv_caches, 4, runner.max_blocks_per_seq,
+                                  runner.block_size, 1024, torch.device("cpu"))
+            vocab = runner.model.config.vocab_size
+            for size in graphs.sizes:
+                graphs.logits[size] = torch.empty(size, vocab)
+                graphs.greedy[size] = torch.empty(size, dtype=torch.int64)
+                graphs.graphs[size] = _EagerReplay(graphs, size)
+            runner.graphs = graphs
+        results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if with_graphs:
+            assert graphs._steps_staged > 20  # decode steps went through the staging
     assert results[0] == results[1]
