@@ -162,3 +162,24 @@ def test_failure_in_one_request_ends_it_with_an_error_and_spares_the_others(tiny
     assert finals["bad"].finish_reason == "abort"
     assert finals["good"].error is None and len(finals["good"].token_ids) == 6
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_kv_usage_matches_blocks_written(tiny_checkpoint, async_scheduling):
+    """Mid-generation, the blocks the block manager reports in use are exactly the blocks whose
+    KV slots hold data (the cache starts zeroed; no prefix cache keeps freed blocks' data)."""
+    llm = make_llm(tiny_checkpoint, enable_prefix_caching=False, block_size=8,
+                   async_scheduling=async_scheduling)
+    engine = llm.engine
+    for i, n in enumerate([5, 17, 30]):
+        engine.add_request(str(i), list(range(1, n + 1)),
+                           SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+    bm = engine.block_manager
+    held = [b for r in engine.scheduler.running for b in bm.block_ids(r.request_id)]
+    for k_cache, v_cache in engine.runner.kv_caches:
+        for cache in (k_cache, v_cache):
+            written = torch.nonzero(cache.abs().sum(dim=(1, 2, 3))).flatten().tolist()
+            assert sorted(held) == written
+    assert round(bm.usage * bm.num_blocks) == len(held) == len(set(held))
