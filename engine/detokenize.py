@@ -27,6 +27,10 @@ class TextStream:
         self.text = ""  # everything emitted so far
         self.stopped_by: str | None = None
 
+    @property
+    def decodes_at_end(self) -> bool:
+        return self._bulk is not None
+
     def add(self, token_id: int, final: bool) -> str:
         """Feed one token (special tokens add no text); returns the text now safe to emit.
         After a stop string is found, everything further is dropped."""

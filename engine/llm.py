@@ -49,6 +49,8 @@ class _Choice:
         self.output = CompletionOutput(index=index,
                                        logprobs=[] if request.params.logprobs is not None
                                        else None)
+        # final_only without stop strings or logprobs: nothing to see or check per token
+        self.defers_tokens = self.stream.decodes_at_end and self.output.logprobs is None
 
     def snapshot(self) -> CompletionOutput:
         """A copy the caller may keep while this choice goes on growing."""
@@ -179,9 +181,14 @@ class LLMEngine:
             if owner is None or owner[1].request is not request:
                 continue  # aborted since its token was sampled (its id may be reused since)
             group, choice = owner
+            finished = request.status.is_finished
+            if choice.defers_tokens and not finished:
+                continue  # nothing of it is read before the end: its tokens are applied then
             try:
-                self._apply_token(choice, request.output_token_ids[len(choice.output.token_ids)],
-                                  token_logprobs)
+                new_tokens = request.output_token_ids[len(choice.output.token_ids):]
+                for i, token in enumerate(new_tokens, 1):
+                    self._apply_token(choice, token, token_logprobs,
+                                      final=finished and i == len(new_tokens))
             except Exception as err:  # one request's failure must not take down the others
                 log.exception("request %s failed while handling its output", group.request_id)
                 self._fail(group, f"{type(err).__name__}: {err}")
@@ -198,10 +205,10 @@ class LLMEngine:
             if choice.output.finish_reason is None:
                 choice.output.finish_reason = RequestStatus.FINISHED_ABORTED.value
 
-    def _apply_token(self, choice: _Choice, token: int, token_logprobs) -> None:
+    def _apply_token(self, choice: _Choice, token: int, token_logprobs, final: bool) -> None:
+        """Append one token to the choice's output; `final`: the request's last token."""
         request, out = choice.request, choice.output
-        finished = request.status.is_finished
-        out.delta_text += choice.stream.add(token, final=finished)
+        out.delta_text += choice.stream.add(token, final=final)
         out.delta_token_ids.append(token)
         out.token_ids.append(token)
         if out.logprobs is not None and token_logprobs is not None:
@@ -209,12 +216,12 @@ class LLMEngine:
             out.delta_logprobs = (out.delta_logprobs or []) + [token_logprobs]
         if choice.stream.stopped_by is not None:
             # a stop string wins even when the same token also hit max_tokens (as in vLLM)
-            if not finished:
+            if not final:
                 self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED,
                                       choice.stream.stopped_by)
             out.finish_reason = RequestStatus.FINISHED_STOPPED.value
             out.stop_reason = choice.stream.stopped_by
-        elif finished:
+        elif final:
             out.finish_reason = request.status.value
             out.stop_reason = request.stop_reason
         out.text = choice.stream.text
