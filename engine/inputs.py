@@ -82,8 +82,9 @@ def _block_table_array(seqs: list[ScheduledSequence], width: int) -> np.ndarray:
 
 def _decode_host_inputs(seqs: list[ScheduledSequence], block_size: int,
                         max_blocks_per_seq: int) -> HostInputs:
-    """The common decode step (one token per sequence, all sampling), with plain lists: one token per sequence needs none of
-    the varlen index arithmetic, whose numpy call overheads dominate at decode batch sizes."""
+    """The common decode step (one token per sequence, all sampling), with plain lists: one
+    token per sequence needs none of the varlen index arithmetic, whose numpy call overheads
+    dominate at decode batch sizes."""
     positions = [s.start_position for s in seqs]
     slots = [s.block_ids[p // block_size] * block_size + p % block_size
              for s, p in zip(seqs, positions)]

@@ -62,8 +62,8 @@ def _tile_rows(bt_row, pos, valid, head_off, stride_slot, BLOCK_SIZE: tl.constex
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
-                   part_out_ptr, part_lse_ptr, counter_ptr, k_new_ptr, v_new_ptr, slot_ptr, qk_scale,
-                   tokens_per_split, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                   part_out_ptr, part_lse_ptr, counter_ptr, k_new_ptr, v_new_ptr, slot_ptr,
+                   qk_scale, tokens_per_split, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
                    stride_slot, stride_ch, stride_nb, stride_nh,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, FUSE_STORE: tl.constexpr):
