@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--hf-prompts", type=int, default=128)
     parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--sweep", default="1,8,32,64,128,256")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="wait for each step before scheduling the next")
     parser.add_argument("--out", default=str(BENCH_DIR))
     args = parser.parse_args()
 
@@ -111,7 +113,8 @@ def main() -> None:
     info = device_info()
     info["matmul_flop_per_s"] = matmul_rate()
     llm = LLM(model=checkpoint, device="cuda", dtype="float16", max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              async_scheduling=not args.no_async_scheduling)
     run_engine(llm, random_prompts(16, 64, 0, seed=99), 8)  # warm-up
     prompts = random_prompts(args.num_prompts, args.input_len, args.prefix_len, seed=0)
     ours = run_engine(llm, prompts, args.output_len)
