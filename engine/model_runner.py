@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from engine.attention import get_attention_backend
-from engine.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
-from engine.inputs import is_decode_step, prepare_host_inputs, to_device, upload
+from engine.inputs import (is_decode_step, placeholder_sources, prepare_host_inputs, to_device,
+                           upload)
 from engine.layers import TORCH_OPS, Ops
 from engine.models.gpt2 import GPT2Config, load_gpt2, resolve_model_dir
 from engine.request import SamplingParams
@@ -209,7 +210,7 @@ class ModelRunner:
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, device=self.device), None
         seqs = out.sequences
-        sources = self._placeholder_sources(seqs)
+        sources = placeholder_sources(seqs, self._last_sampled and self._last_sampled.rows)
         if (self.graphs is not None and len(seqs) <= self.graphs.max_batch
                 and is_decode_step(seqs)):
             return self.graphs.run(seqs, sources, self._last_sampled)
@@ -222,21 +223,6 @@ class ModelRunner:
             step.input_ids[dst] = self._last_sampled.token_ids[src]
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         return self.model.compute_logits(hidden[step.sample_indices]), None
-
-    def _placeholder_sources(self, seqs: list[ScheduledSequence]) -> list[int]:
-        """Per sequence: the row of its placeholder token in the previous launch's sampled
-        tokens, or -1 when its tokens are all known. (A placeholder is always a sequence's
-        only new token: it is the token sampled by the step just before.)"""
-        sources = []
-        for s in seqs:
-            if s.token_ids[0] != PLACEHOLDER_TOKEN:
-                sources.append(-1)
-            elif self._last_sampled is None or s.request_id not in self._last_sampled.rows:
-                raise RuntimeError(f"{s.request_id}: placeholder token, but the previous step "
-                                   f"sampled nothing for it")
-            else:
-                sources.append(self._last_sampled.rows[s.request_id])
-        return sources
 
 
 @dataclass(frozen=True)

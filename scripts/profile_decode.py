@@ -10,11 +10,12 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 from bench_utils import checkpoint_for
 
-from engine import LLM, SamplingParams
+from engine import LLM, LLMEngine, SamplingParams
 
 
 def replay_ms(runner, batch: int, repeats: int = 200) -> float:
@@ -33,15 +34,15 @@ def replay_ms(runner, batch: int, repeats: int = 200) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def host_phases(llm: LLM, batch: int, steps: int = 100) -> dict:
-    """Run `steps` decode steps through LLMEngine.step(), timing the phases it calls (wait
-    overlaps the device, and so does everything after launch while the next step runs)."""
-    engine = llm.engine
+def host_phases(engine: LLMEngine, batch: int, params: SamplingParams,
+                steps: int = 100) -> dict:
+    """Run `steps` decode steps of `batch` requests (128-token prompts, `params` without its
+    max_tokens: none ends meanwhile) through LLMEngine.step(), timing the phases it calls
+    (wait overlaps the device, and so does everything after launch while the next step runs)."""
     rng = random.Random(0)
+    params = replace(params, max_tokens=steps + 20)
     for i in range(batch):
-        engine.add_request(f"p{batch}-{i}", [rng.randrange(50256) for _ in range(128)],
-                           SamplingParams(temperature=0.0, max_tokens=steps + 20,
-                                          ignore_eos=True))
+        engine.add_request(f"p{batch}-{i}", [rng.randrange(50256) for _ in range(128)], params)
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()
@@ -105,11 +106,12 @@ def main() -> None:
     checkpoint = checkpoint_for(args.model)
     batches = [int(b) for b in args.batch.split(",")]
     llm = LLM(model=checkpoint, device="cuda", dtype="float16", max_num_seqs=max(batches))
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     result = {}
     for batch in batches:
         result[f"b{batch}"] = {"graph_replay_ms": round(replay_ms(llm.engine.runner, batch), 4),
                                "graph_kernels": graph_kernel_count(llm.engine.runner, batch),
-                               "host_phases_ms": host_phases(llm, batch)}
+                               "host_phases_ms": host_phases(llm.engine, batch, greedy)}
         print(args.model, batch, json.dumps(result[f"b{batch}"]), flush=True)
     print(args.model, json.dumps(result), flush=True)
 

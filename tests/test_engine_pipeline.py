@@ -8,20 +8,12 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batch import PLACEHOLDER_TOKEN, SchedulerOutput
+from engine.batch import PLACEHOLDER_TOKEN, CompletedStep, SchedulerOutput
 from engine.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
 from test_scheduler import FakeRunner, reference_output
-
-
-class _Done:
-    def __init__(self, result):
-        self.result = result
-
-    def wait(self):
-        return self.result
 
 
 class PipelinedFakeRunner(FakeRunner):
@@ -34,7 +26,7 @@ class PipelinedFakeRunner(FakeRunner):
         self.last_sampled: dict[str, int] = {}
         self.placeholders_filled = 0
 
-    def launch(self, out: SchedulerOutput) -> _Done:
+    def launch(self, out: SchedulerOutput) -> CompletedStep:
         resolved = []
         for seq in out.sequences:
             if seq.token_ids == [PLACEHOLDER_TOKEN]:
@@ -44,7 +36,7 @@ class PipelinedFakeRunner(FakeRunner):
             resolved.append(seq)
         result = self.execute(replace(out, sequences=resolved))
         self.last_sampled = dict(zip(result.request_ids, result.sampled_token_ids))
-        return _Done(result)
+        return CompletedStep(result)
 
 
 @settings(max_examples=40, deadline=None)

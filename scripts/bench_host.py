@@ -1,0 +1,70 @@
+"""Host cost of LLMEngine.step() at a decode batch, on the CPU: a no-op model runner samples
+instantly, so every millisecond is the engine's own Python. Median ms per phase, for streaming
+and final-only outputs (as LLM.generate uses), with and without async scheduling.
+
+    .venv/bin/python scripts/bench_host.py --batch 256
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from profile_decode import host_phases
+
+from engine import LLMEngine, SamplingParams
+from engine.batch import CompletedStep, RunnerOutput, SchedulerOutput
+from engine.config import EngineConfig
+from engine.inputs import DecodeStager, is_decode_step, placeholder_sources
+
+PHASES = ("schedule", "launch", "update", "outputs", "step_total")
+
+
+class NoOpRunner:
+    """Launch does the real runner's host work for a decode step (placeholder sources, staging
+    into host arrays shaped like the CUDA graphs' pinned buffers) and samples at once: a token
+    that changes with the step and the row, so detokenization sees varied text."""
+
+    def __init__(self, config: EngineConfig):
+        n, block_size = config.scheduler.max_num_seqs, config.cache.block_size
+        width = -(-config.scheduler.max_model_len // block_size)
+        self.num_kv_blocks = config.cache.num_kv_blocks
+        self.stager = DecodeStager(np.zeros((5, n), np.int64),
+                                   np.zeros(n * (1 + width), np.int32), width, block_size)
+        self._last_rows: dict[str, int] | None = None
+        self._steps = 0
+
+    def launch(self, out: SchedulerOutput) -> CompletedStep:
+        seqs = out.sequences
+        if is_decode_step(seqs):
+            self.stager.write(seqs, len(seqs), placeholder_sources(seqs, self._last_rows))
+        ids = [s.request_id for s in seqs if s.sample]
+        self._last_rows = dict(zip(ids, range(len(ids))))
+        self._steps += 1
+        tokens = [(self._steps * 7919 + row) % 50000 for row in range(len(ids))]
+        return CompletedStep(RunnerOutput(ids, tokens, [None] * len(ids)))
+
+
+def measure(batch: int, steps: int, output_kind: str, async_scheduling: bool) -> dict:
+    config = EngineConfig.from_flat(max_num_seqs=batch, async_scheduling=async_scheduling,
+                                    num_kv_blocks=batch * (1024 // 16), block_size=16)
+    engine = LLMEngine(config, runner=NoOpRunner(config))
+    params = SamplingParams(temperature=1.0, ignore_eos=True, output_kind=output_kind)
+    return host_phases(engine, batch, params, steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+    print(f"B{args.batch}, median ms of {args.steps} decode steps")
+    print(f"{'mode':<18}" + "".join(f"{p:>11}" for p in PHASES))
+    for async_scheduling in (True, False):
+        for output_kind in ("stream", "final_only"):
+            result = measure(args.batch, args.steps, output_kind, async_scheduling)
+            mode = f"{'async' if async_scheduling else 'sync'} {output_kind}"
+            print(f"{mode:<18}" + "".join(f"{result[p]:>11.3f}" for p in PHASES), flush=True)
+
+
+if __name__ == "__main__":
+    main()
