@@ -29,13 +29,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED_STATUSES
-
-
-_FINISHED_STATUSES = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                                RequestStatus.FINISHED_ABORTED})
+    def __init__(self, value: str) -> None:
+        # a plain attribute, not a property: read per sequence per step
+        self.is_finished = value in ("stop", "length", "abort")
 
 
 @dataclass(frozen=True)
@@ -144,18 +140,23 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # counts of the token lists, kept by append_output_token: read several times per step
+    num_output_tokens: int = field(init=False)
+    num_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_output_tokens = len(self.output_token_ids)
+        self.num_tokens = len(self.prompt_token_ids) + self.num_output_tokens
+
+    def append_output_token(self, token: int) -> None:
+        """How a token joins output_token_ids (the prompt never changes): keeps the counts."""
+        self.output_token_ids.append(token)
+        self.num_output_tokens += 1
+        self.num_tokens += 1
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
 
     def tokens_between(self, start: int, end: int) -> list[int]:
         n_prompt = len(self.prompt_token_ids)

@@ -212,7 +212,7 @@ class Scheduler:
             token = sampled.get(seq.request_id)
             if token is None:
                 continue  # a prompt chunk that did not reach the end
-            request.output_token_ids.append(token)
+            request.append_output_token(token)
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now

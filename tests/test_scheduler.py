@@ -205,4 +205,19 @@ def test_random_workloads(seed, num_blocks, block_size, budget, max_seqs, prefix
     assert set(finished) | aborted == set(expected)
     for rid, req in finished.items():
         assert req.output_token_ids == expected[rid]
+        assert_counts_match_tokens(req)
     assert bm.num_free_blocks == num_blocks
+
+
+def assert_counts_match_tokens(req: Request) -> None:
+    """The cached counts of Request must follow its token lists."""
+    assert req.num_output_tokens == len(req.output_token_ids)
+    assert req.num_tokens == len(req.prompt_token_ids) + len(req.output_token_ids)
+
+
+def test_request_counts_follow_appended_tokens():
+    req = Request("r", [1, 2, 3], SamplingParams(), output_token_ids=[4])
+    assert_counts_match_tokens(req)
+    req.append_output_token(5)
+    assert_counts_match_tokens(req)
+    assert req.all_token_ids == [1, 2, 3, 4, 5]
