@@ -1,25 +1,29 @@
 """Weight-streaming GEMM for skinny activations: act(x @ W^T + b) for x with M <= 16 rows,
-optionally with the residual add and LayerNorm that precede it fused into its prologue.
+optionally with the residual add and LayerNorm that precede it fused in.
 
 At small decode batches a linear layer is pure weight traffic (N*K*2 bytes for 2*M*N*K FLOPs),
 so the kernel tiles W and lets the few rows of x ride along:
 
     W [N, K]           program (n, s) streams rows n*BN..(n+1)*BN of W over its K range once,
     |###|###|###|      coalesced along K, pipelined through shared memory (num_stages)
-    x [M <= 16, K]     all rows, padded to 16 for tl.dot
-    acc [BN, 16] fp32  += W_tile @ x_tile^T   (W is the tensor-core M side, 64 rows)
+    x [M <= 16, K]     all rows, padded to BLOCK_M (>= 16) columns for tl.dot
+    acc [BN, BLOCK_M]  += W_tile @ x_tile^T in fp32 (W is the tensor-core M side)
 
-When the N / BN tiles cannot fill the GPU (gpt2 c_proj: 768 / 64 = 12 tiles on 132 SMs) K is
-split across programs. Each writes its fp32 partial; the last to arrive at the tile's counter
-(kernels/arrival_counters.py) sums them in split order and applies bias and GELU, so the
-whole layer is one launch.
+BN shrinks (64, 32, 16) until the tiles cover at least half the SMs; when the tiles still leave SMs idle
+(gpt2 c_proj: 768 rows) K is split across programs. Each writes its fp32 partial; the last to
+arrive at the tile's counter (kernels/arrival_counters.py) sums them in split order and
+applies bias and GELU, so the whole layer is one launch.
 
-With a norm, x is the branch output and the kernel computes LayerNorm(x + residual) on the fly:
-every program first takes the M rows' mean and rstd over all of K (a few KB, from L2), then
-normalises each x tile as it loads it. Program (0, 0) also writes x + residual, the new
-residual stream. Decode then needs no separate add + LayerNorm launch before QKV and FC.
-The model uses this kernel only for the shapes where it measured faster than the unfused
-path on the running GPU (kernels/linear.py).
+With a norm, x is the branch output, s = x + residual, and LayerNorm(s) is folded into the dot
+in its affine form, so no program waits for row statistics before streaming W. With d = s - c
+for a rough row centre c (mean of the row's first 16 elements, so nothing large cancels):
+
+    LayerNorm(s) @ W^T = rstd * (W (gamma d) - mean(d) * (W gamma)) + W beta
+
+The x tile carries gamma*d for each row, then gamma and beta as two more columns; the loop
+also sums d and d^2 for mean(d) and rstd, which the epilogue applies. Programs of tile 0 write
+s, the new residual stream. The model uses this kernel only for the shapes where it measured
+faster than cuBLAS (plus the add + LayerNorm kernel) on the running GPU (kernels/linear.py).
 """
 from __future__ import annotations
 
@@ -36,11 +40,16 @@ from kernels.device_info import num_sms
 from kernels.gelu import gelu_tanh
 
 MAX_M = 16
-BLOCK_N = 64
-MAX_BLOCK_K = 128
-NUM_WARPS = 4
-NUM_STAGES = 4
-PROGRAMS_PER_SM = 2
+
+
+class TileConfig(NamedTuple):
+    """Launch shape: W tile rows (the dot's M side, >= 16), K step, warps, pipeline stages,
+    and the fewest K steps a split may have (fewer splits: a shorter arrival chain)."""
+    block_n: int = 0  # 0: the largest of 64, 32, 16 giving tiles for half the SMs or more
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    min_split_steps: int = 4
 
 
 class AddNorm(NamedTuple):
@@ -52,8 +61,58 @@ class AddNorm(NamedTuple):
 
 
 @triton.jit
-def _epilogue(acc, bias_ptr, offs_n, n_ok, HAS_BIAS: tl.constexpr, GELU: tl.constexpr):
-    """acc: [BN, M] fp32 sums, columns indexed by offs_n along axis 0."""
+def _sum_rows(x_ptr, res_ptr, offs, row_ok):
+    """s = x + residual at offs, rounded to x's dtype as the unfused add's output is; fp32."""
+    x = tl.load(x_ptr + offs, mask=row_ok, other=0.0)
+    s = x.to(tl.float32) + tl.load(res_ptr + offs, mask=row_ok, other=0.0).to(tl.float32)
+    return s.to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _row_centres(x_ptr, res_ptr, cols, M, stride_xm):
+    """[BLOCK_M] mean of each row's first 16 elements of s: a centre near the row's mean, so
+    the sums below never cancel the large common part of s."""
+    head = cols[None, :] * stride_xm + tl.arange(0, 16)[:, None]
+    return tl.sum(_sum_rows(x_ptr, res_ptr, head, (cols < M)[None, :]), axis=0) / 16
+
+
+@triton.jit
+def _input_tile(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, offs_k, cols, centre, M,
+                stride_xm, write_sum, NORM: tl.constexpr):
+    """The dot's input [BK, BLOCK_M] and, with NORM, d = s - centre [BK, BLOCK_M] (fp32, 0
+    outside columns < M).
+
+    Plain: column m is x row m. NORM (the affine form of LayerNorm, see the module doc):
+    column m < M holds gamma * d_m, column M gamma and M + 1 beta."""
+    row_ok = (cols < M)[None, :]
+    x_offs = cols[None, :] * stride_xm + offs_k[:, None]
+    if not NORM:
+        x_t = tl.load(x_ptr + x_offs, mask=row_ok, other=0.0)
+        return x_t, x_t.to(tl.float32)
+    s = _sum_rows(x_ptr, res_ptr, x_offs, row_ok)
+    tl.store(sum_ptr + x_offs, s.to(sum_ptr.dtype.element_ty),
+             mask=(cols < tl.where(write_sum, M, 0))[None, :])
+    d = tl.where(row_ok, s - centre[None, :], 0.0)
+    gamma = tl.load(ln_w_ptr + offs_k).to(tl.float32)[:, None]
+    tile = tl.where(row_ok, gamma * d, 0.0)
+    tile = tl.where((cols == M)[None, :], gamma, tile)
+    tile = tl.where((cols == M + 1)[None, :], tl.load(ln_b_ptr + offs_k).to(tl.float32)[:, None],
+                    tile)
+    return tile.to(sum_ptr.dtype.element_ty), d
+
+
+@triton.jit
+def _epilogue(acc, d_sum, d_sq, K, eps, bias_ptr, offs_n, n_ok, cols, M,
+              HAS_BIAS: tl.constexpr, GELU: tl.constexpr, NORM: tl.constexpr):
+    """acc: [BN, BLOCK_M] fp32 dot sums, output columns indexed by offs_n along axis 0;
+    d_sum, d_sq: [BLOCK_M] sums of d = s - centre and of d^2 over K (NORM only).
+    Returns columns < M finished."""
+    if NORM:
+        mean_d = d_sum / K
+        rstd = 1.0 / tl.sqrt(tl.maximum(d_sq / K - mean_d * mean_d, 0.0) + eps)
+        w_gamma = _column(acc, cols, M)[:, None]
+        w_beta = _column(acc, cols, M + 1)[:, None]
+        acc = rstd[None, :] * (acc - mean_d[None, :] * w_gamma) + w_beta
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if GELU:
@@ -62,95 +121,90 @@ def _epilogue(acc, bias_ptr, offs_n, n_ok, HAS_BIAS: tl.constexpr, GELU: tl.cons
 
 
 @triton.jit
-def _add_norm_stats(x_ptr, res_ptr, sum_ptr, K, stride_xm, eps, write_sum,
-                    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, K_POW2: tl.constexpr):
-    """mean and rstd [BLOCK_M] of the ROWS (= M) rows of x + residual (rounded to x's dtype
-    first, as the unfused add is), each row loaded whole; padding rows get 0. Stores the sum
-    if write_sum."""
-    offs_m = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, K_POW2)
-    ok = cols < K
-    mean = tl.zeros([BLOCK_M], tl.float32)
-    rstd = tl.zeros([BLOCK_M], tl.float32)
-    for r in tl.static_range(ROWS):
-        s = (tl.load(x_ptr + r * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-             + tl.load(res_ptr + r * stride_xm + cols, mask=ok, other=0.0).to(tl.float32))
-        s = s.to(x_ptr.dtype.element_ty)
-        tl.store(sum_ptr + r * stride_xm + cols, s, mask=cols < tl.where(write_sum, K, 0))
-        s = s.to(tl.float32)
-        row_mean = tl.sum(s, axis=0) / K
-        centered = tl.where(ok, s - row_mean, 0.0)
-        row_rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / K + eps)
-        mean = tl.where(offs_m == r, row_mean, mean)
-        rstd = tl.where(offs_m == r, row_rstd, rstd)
-    return mean, rstd
+def _column(acc, cols, c):
+    return tl.sum(tl.where(cols[None, :] == c, acc, 0.0), axis=1)
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr,
+def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, stats_ptr, counter_ptr,
                    res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, eps, M, N, K, k_per_split,
                    stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                    NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                   K_POW2: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
-    m_ok = offs_m < M
-    if NORM:
-        mean, rstd = _add_norm_stats(x_ptr, res_ptr, sum_ptr, K, stride_xm, eps,
-                                     (tile == 0) & (split == 0), BLOCK_M, ROWS, K_POW2)
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    if NORM:
+        centre = _row_centres(x_ptr, res_ptr, cols, M, stride_xm)
+    else:
+        centre = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    d_lanes = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
+    d_sq_lanes = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):  # BLOCK_K divides K: no mask along K, 16 B loads
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
-        x_offs = offs_m[None, :] * stride_xm + offs_k[:, None]
-        x_t = tl.load(x_ptr + x_offs, mask=m_ok[None, :], other=0.0)
+        x_t, d = _input_tile(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, offs_k, cols, centre,
+                             M, stride_xm, tile == 0, NORM)
         if NORM:
-            s = x_t.to(tl.float32) + tl.load(res_ptr + x_offs, mask=m_ok[None, :],
-                                             other=0.0).to(tl.float32)
-            s = s.to(x_ptr.dtype.element_ty).to(tl.float32)
-            gamma = tl.load(ln_w_ptr + offs_k).to(tl.float32)
-            beta = tl.load(ln_b_ptr + offs_k).to(tl.float32)
-            x_t = ((s - mean[None, :]) * rstd[None, :] * gamma[:, None]
-                   + beta[:, None]).to(x_ptr.dtype.element_ty)
+            d_lanes += d
+            d_sq_lanes += d * d
         acc = tl.dot(w, x_t, acc, input_precision="ieee")
-    mask = n_ok[:, None] & m_ok[None, :]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    d_sum = tl.sum(d_lanes, axis=0)
+    d_sq = tl.sum(d_sq_lanes, axis=0)
+    out_ptrs = out_ptr + cols[None, :] * stride_om + offs_n[:, None]
+    out_mask = n_ok[:, None] & (cols < M)[None, :]
     if SPLIT:
-        part_offs = offs_m[None, :] * N + offs_n[:, None]
         num_splits = tl.num_programs(1)
-        tl.store(part_ptr + split * M * N + part_offs, acc, mask=mask)
+        part_rows = M + 2 * NORM  # the columns the epilogue reads
+        part_offs = cols[None, :] * N + offs_n[:, None]
+        part_mask = n_ok[:, None] & (cols < part_rows)[None, :]
+        tl.store(part_ptr + split * part_rows * N + part_offs, acc, mask=part_mask)
+        stats = stats_ptr + tile * num_splits * 2 * BLOCK_M + cols
+        if NORM:
+            tl.store(stats + split * 2 * BLOCK_M, d_sum)
+            tl.store(stats + split * 2 * BLOCK_M + BLOCK_M, d_sq)
         if arrive_last(counter_ptr + tile, num_splits):
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for s in range(num_splits):
-                acc += tl.load(part_ptr + s * M * N + part_offs, mask=mask, other=0.0,
-                               cache_modifier=".cg")
+            d_sum = tl.zeros([BLOCK_M], tl.float32)
+            d_sq = tl.zeros([BLOCK_M], tl.float32)
+            for sp in range(num_splits):
+                acc += tl.load(part_ptr + sp * part_rows * N + part_offs, mask=part_mask,
+                               other=0.0, cache_modifier=".cg")
+                if NORM:
+                    d_sum += tl.load(stats + sp * 2 * BLOCK_M, cache_modifier=".cg")
+                    d_sq += tl.load(stats + sp * 2 * BLOCK_M + BLOCK_M, cache_modifier=".cg")
             reset_counter(counter_ptr + tile)
-            y = _epilogue(acc, bias_ptr, offs_n, n_ok, HAS_BIAS, GELU)
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+            y = _epilogue(acc, d_sum, d_sq, K, eps, bias_ptr, offs_n, n_ok, cols, M, HAS_BIAS,
+                          GELU, NORM)
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        y = _epilogue(acc, bias_ptr, offs_n, n_ok, HAS_BIAS, GELU)
-        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        y = _epilogue(acc, d_sum, d_sq, K, eps, bias_ptr, offs_n, n_ok, cols, M, HAS_BIAS,
+                      GELU, NORM)
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _k_per_split(num_tiles: int, k: int, block_k: int, num_sms: int) -> int:
-    """K range per program: about PROGRAMS_PER_SM programs per SM, whole BLOCK_K steps."""
-    splits = max(1, min(triton.cdiv(PROGRAMS_PER_SM * num_sms, num_tiles), k // block_k))
-    return triton.cdiv(k // block_k, splits) * block_k
+def _block_n(n: int, sms: int) -> int:
+    return next((b for b in (64, 32) if triton.cdiv(n, b) >= sms // 2), 16)
+
+
+def _splits(num_tiles: int, k_steps: int, sms: int, config: TileConfig) -> int:
+    """Split K only while tiles leave SMs idle and each split keeps min_split_steps K steps."""
+    return max(1, min(triton.cdiv(sms, num_tiles), k_steps // config.min_split_steps))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool,
-            norm: AddNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            norm: AddNorm | None, config: TileConfig = TileConfig()
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     (m, k), n = x.shape, weight.shape[0]
     assert m <= MAX_M and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     assert k % 16 == 0, "K must be a multiple of 16 (every GPT-2 width is)"
-    block_k = next(b for b in (MAX_BLOCK_K, 64, 32, 16) if k % b == 0)
+    block_k = next(b for b in (config.block_k, 64, 32, 16) if k % b == 0 and b <= config.block_k)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     summed = None
     if norm is not None:
@@ -159,34 +213,42 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ge
         summed = torch.empty_like(x)
     if m == 0:
         return out, summed
-    num_tiles = triton.cdiv(n, BLOCK_N)
-    k_per_split = _k_per_split(num_tiles, k, block_k, num_sms(x.device))
+    sms = num_sms(x.device)
+    block_n = config.block_n or _block_n(n, sms)
+    block_m = max(16, triton.next_power_of_2(m + 2 if norm is not None else m))
+    num_tiles = triton.cdiv(n, block_n)
+    splits = _splits(num_tiles, k // block_k, sms, config)
+    k_per_split = triton.cdiv(k // block_k, splits) * block_k
     splits = triton.cdiv(k, k_per_split)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    part_rows = m if norm is None else m + 2
+    part = torch.empty((splits, part_rows, n), dtype=torch.float32, device=x.device) \
+        if splits > 1 else out
+    stats = torch.empty((num_tiles, splits, 2, block_m), dtype=torch.float32, device=x.device) \
+        if splits > 1 and norm is not None else out
     counters = counters_for(x.device, num_tiles) if splits > 1 else out
     bias_arg = out if bias is None else bias
     res, ln_w, ln_b, eps = norm if norm is not None else (x, x, x, 0.0)
     _skinny_kernel[(num_tiles, splits)](
-        x, weight, bias_arg, out, part, counters, res, ln_w, ln_b,
+        x, weight, bias_arg, out, part, stats, counters, res, ln_w, ln_b,
         out if summed is None else summed, eps, m, n, k, k_per_split, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
-        NORM=norm is not None, SPLIT=splits > 1, BLOCK_M=MAX_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=block_k, ROWS=m, K_POW2=triton.next_power_of_2(k), num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+        NORM=norm is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return out, summed
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  gelu: bool = False) -> torch.Tensor:
+                  gelu: bool = False, config: TileConfig = TileConfig()) -> torch.Tensor:
     """x [M, K] with M <= 16, weight [N, K] (F.linear layout) -> act(x @ weight.T + bias)."""
-    return _launch(x, weight, bias, gelu, None)[0]
+    return _launch(x, weight, bias, gelu, None, config)[0]
 
 
 def skinny_add_norm_linear(x: torch.Tensor, norm: AddNorm, weight: torch.Tensor,
-                           bias: torch.Tensor | None = None, gelu: bool = False
+                           bias: torch.Tensor | None = None, gelu: bool = False,
+                           config: TileConfig = TileConfig()
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (act(LayerNorm(x + residual) @ weight.T + bias), x + residual) in one launch."""
-    return _launch(x, weight, bias, gelu, norm)
+    return _launch(x, weight, bias, gelu, norm, config)
 
 
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor,
