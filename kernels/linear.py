@@ -68,7 +68,7 @@ def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: 
                                                          gelu) for d in (fused, unfused)]
             else:
                 calls = [lambda w, d=d: d(x, w, bias, gelu) for d in (fused, unfused)]
-            skinny_ms, unfused_ms = (_graph_ms(call, weights) for call in calls)
+            skinny_ms, unfused_ms = (graph_ms(call, weights) for call in calls)
             if skinny_ms < unfused_ms:
                 wins.add((n, k, m, gelu, norm))
             log.info("linear N=%d K=%d M=%d gelu=%s norm=%s: skinny %.4f ms, unfused %.4f ms",
@@ -76,7 +76,7 @@ def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: 
     return frozenset(wins)
 
 
-def _graph_ms(call, weights: list[torch.Tensor], replays: int = 10) -> float:
+def graph_ms(call, weights: list[torch.Tensor], replays: int = 10) -> float:
     for w in weights:
         call(w)  # compile and warm up outside the capture
     torch.cuda.synchronize()

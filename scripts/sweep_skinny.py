@@ -1,0 +1,69 @@
+"""Tile-config sweep of the skinny GEMM on GPT-2 layer shapes, against the unfused path
+(cuBLAS, plus the add + LayerNorm kernel before QKV and FC), timed inside CUDA graphs with
+weights rotated so they stream from memory as in a decode step.
+
+    python scripts/sweep_skinny.py --widths 768,1600 --m 1,4
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from kernels.linear import LinearDispatch, graph_ms
+from kernels.skinny_gemm import AddNorm, TileConfig, skinny_add_norm_linear, skinny_linear
+
+CONFIGS = [TileConfig(block_n, block_k, warps, 3, min_steps) for block_n, block_k, warps, min_steps
+           in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (2, 4))]
+
+
+def layer_shapes(width: int) -> list[tuple[str, int, int, bool, bool]]:
+    """(name, N, K, gelu, norm) of one GPT-2 block's linears."""
+    return [("qkv", 3 * width, width, False, True), ("o", width, width, False, False),
+            ("fc", 4 * width, width, True, True), ("proj", width, 4 * width, False, False)]
+
+
+def sweep(width: int, m: int) -> None:
+    dtype, device = torch.float16, torch.device("cuda")
+    for name, n, k, gelu, norm in layer_shapes(width):
+        weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5 for _ in range(16)]
+        bias = torch.randn(n, dtype=dtype, device=device)
+        x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
+        add_norm = AddNorm(residual, torch.randn(k, dtype=dtype, device=device),
+                           torch.randn(k, dtype=dtype, device=device), 1e-5)
+        unfused = LinearDispatch()
+        if norm:
+            base = graph_ms(lambda w: unfused.add_norm_linear(
+                x, residual, add_norm.weight, add_norm.bias, add_norm.eps, w, bias, gelu), weights)
+        else:
+            base = graph_ms(lambda w: unfused(x, w, bias, gelu), weights)
+        times = []
+        for config in CONFIGS:
+            if norm:
+                call = lambda w, c=config: skinny_add_norm_linear(x, add_norm, w, bias, gelu, c)
+            else:
+                call = lambda w, c=config: skinny_linear(x, w, bias, gelu, c)
+            times.append((graph_ms(call, weights), config))
+        times.sort(key=lambda t: t[0])
+        default = graph_ms(lambda w: (skinny_add_norm_linear(x, add_norm, w, bias, gelu) if norm
+                                      else skinny_linear(x, w, bias, gelu)), weights)
+        gb_per_s = n * k * dtype.itemsize / times[0][0] / 1e6
+        print(f"{name} N={n} K={k} M={m}: unfused {base * 1e3:.2f} us, default {default * 1e3:.2f}"
+              f" us, best {times[0][0] * 1e3:.2f} us ({gb_per_s:.0f} GB/s) {tuple(times[0][1])};"
+              f" next {', '.join(f'{t * 1e3:.2f} {tuple(c)}' for t, c in times[1:4])}",
+              flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", default="768,1600")
+    parser.add_argument("--m", default="1,4")
+    args = parser.parse_args()
+    for width in (int(w) for w in args.widths.split(",")):
+        for m in (int(m) for m in args.m.split(",")):
+            sweep(width, m)
+
+
+if __name__ == "__main__":
+    main()
