@@ -144,22 +144,29 @@ class DecodeStager:
         self._rows: list[list[int] | None] = [None] * n  # what each table row holds
 
     def write(self, seqs: list[ScheduledSequence], size: int, sources: list[int]) -> None:
+        """Only the per-sequence reads are Python; the arithmetic is numpy over the batch."""
         batch, bs, n = len(seqs), self.block_size, self.ids64.shape[1]
-        positions = [s.start_position for s in seqs]
-        self.ids64[1:, :batch] = (
-            [max(s.token_ids[0], 0) for s in seqs], positions,
-            [s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
-            [src if src >= 0 else n + row for row, src in enumerate(sources)])
+        self._write_tables(seqs, size)
+        token_ids, positions, slots, token_source = self.ids64[1:, :batch]
+        token_ids[:] = [s.token_ids[0] for s in seqs]
+        np.maximum(token_ids, 0, out=token_ids)  # a placeholder's id is read from row 0
+        positions[:] = [s.start_position for s in seqs]
+        rows = np.arange(batch)
+        slots[:] = self.tables[rows, positions // bs] * bs + positions % bs
+        token_source[:] = sources
+        np.copyto(token_source, rows + n, where=token_source < 0)
         self.ids64[1:4, batch:size] = ((0,), (0,), (-1,))
         self.ids64[4, batch:size] = range(n + batch, n + size)
-        self.seq_lens[:batch] = positions
-        self.seq_lens[:batch] += 1
+        self.seq_lens[:batch] = positions + 1
         self.seq_lens[batch:size] = 1
+
+    def _write_tables(self, seqs: list[ScheduledSequence], size: int) -> None:
+        """The rows whose blocks changed (see the class docstring), then the padding rows."""
         for row, s in enumerate(seqs):
             if self._rows[row] != s.block_ids:
                 self.tables[row, :len(s.block_ids)] = s.block_ids
                 self._rows[row] = list(s.block_ids)
-        for row in range(batch, size):
+        for row in range(len(seqs), size):
             if self._rows[row] != PADDING_ROW:
                 self.tables[row, 0] = 0
                 self._rows[row] = PADDING_ROW
