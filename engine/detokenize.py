@@ -46,6 +46,9 @@ class TextStream:
         piece = "" if token_id == EOS_TOKEN_ID else self._detokenizer.add(token_id)
         if final:
             piece += self._detokenizer.flush()
+        if not self._stop:  # nothing to match or hold back
+            self.text += piece
+            return piece
         return self._emit(self._pending + piece, final)
 
     def _emit(self, buffer: str, final: bool) -> str:

@@ -75,9 +75,10 @@ class _Group:
 
     def to_output(self) -> RequestOutput:
         # positional: keyword arguments cost ~2 us more, per request per streamed step
-        metrics = [RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time,
-                                  r.token_times, r.finish_time, r.num_cached_tokens)
-                   for r in (c.request for c in self.choices)]
+        metrics = [RequestMetrics(c.request.arrival_time, c.request.first_scheduled_time,
+                                  c.request.first_token_time, c.request.token_times,
+                                  c.request.finish_time, c.request.num_cached_tokens)
+                   for c in self.choices]
         outputs = [c.snapshot() for c in self.choices]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              metrics, self.error)
