@@ -168,7 +168,7 @@ class LLMEngine:
             return []
         scheduled, pending = to_finish
         result = pending.wait()
-        logprobs = dict(zip(result.request_ids, result.logprobs))
+        logprobs = dict(zip(result.request_ids, result.logprobs)) if any(result.logprobs) else {}
         return self._process([(request, logprobs.get(request.request_id))
                               for request in self.scheduler.update(scheduled, result)])
 

@@ -112,6 +112,13 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """Tokens that end a sequence once min_tokens are out: stop_token_ids, and EOS unless
+        ignore_eos. Cached: checked per sequence per step."""
+        eos = () if self.ignore_eos else (EOS_TOKEN_ID,)
+        return frozenset(self.stop_token_ids + eos)
+
+    @functools.cached_property
     def argmax_of_raw_logits(self) -> bool:
         """Greedy with nothing that changes the logits or asks for logprobs (min_tokens
         aside, which depends on the tokens so far). Cached: checked per sequence per step."""

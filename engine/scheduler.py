@@ -33,7 +33,7 @@ from collections import deque
 from engine.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import EOS_TOKEN_ID, Request, RequestStatus
+from engine.request import Request, RequestStatus
 
 
 class Scheduler:
@@ -231,11 +231,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            if token == EOS_TOKEN_ID and not params.ignore_eos:
-                return self.finish(request.request_id, RequestStatus.FINISHED_STOPPED, token)
-            if token in params.stop_token_ids:
-                return self.finish(request.request_id, RequestStatus.FINISHED_STOPPED, token)
+        if token in params.stop_token_set and request.num_output_tokens >= params.min_tokens:
+            return self.finish(request.request_id, RequestStatus.FINISHED_STOPPED, token)
         if (request.num_output_tokens >= params.max_tokens
                 or request.num_tokens >= self.config.max_model_len):
             self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from engine.batch import RunnerOutput, SchedulerOutput
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import EOS_TOKEN_ID, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
 
 VOCAB = 97
@@ -159,6 +159,17 @@ def test_eos_and_stop_token_ids_finish_requests():
     sched.add(req)
     run_to_completion(sched, bm, runner)
     assert req.finish_reason == "stop" and len(req.output_token_ids) == 3
+
+
+def test_stop_tokens_wait_for_min_tokens_and_eos_follows_ignore_eos():
+    assert SamplingParams(stop_token_ids=(7,)).stop_token_set == {7, EOS_TOKEN_ID}
+    assert SamplingParams(ignore_eos=True, stop_token_ids=(7,)).stop_token_set == {7}
+    sched, bm, runner = make()
+    first = reference_output([5], 1)[0]
+    req = Request("a", [5], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(first,)))
+    sched.add(req)
+    run_to_completion(sched, bm, runner)
+    assert req.output_token_ids[0] == first and len(req.output_token_ids) > 1
 
 
 def test_rejects_requests_over_context_or_pool():
