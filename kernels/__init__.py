@@ -2,11 +2,12 @@
 tests/kernels compares every kernel with it, and scripts/bench_kernels.py times them."""
 from engine.layers import Ops
 from kernels.layernorm import add_layer_norm, layer_norm
-from kernels.linear import LinearDispatch, ShapeKey
+from kernels.linear import LinearDispatch, SkinnyWins
 
 
-def triton_ops(skinny_wins: frozenset[ShapeKey] = frozenset()) -> Ops:
-    """Fused Triton ops; linear layers take the skinny GEMM for the measured winning shapes."""
+def triton_ops(skinny_wins: SkinnyWins | None = None) -> Ops:
+    """Fused Triton ops; linear layers take the skinny GEMM for the measured winning shapes,
+    in the tile config that won."""
     linear = LinearDispatch(skinny_wins)
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                add_norm_linear=linear.add_norm_linear)

@@ -1,5 +1,6 @@
 """Linear layers on the GPU path: cuBLAS (F.linear) or the skinny weight-streaming GEMM, chosen
-per (N, K, M, gelu, norm) by a table measured on the running GPU at startup, never by guess.
+per (N, K, M, gelu, norm), with the skinny kernel's tile config, by a table measured on the
+running GPU at startup, never by guess.
 
 At decode batch sizes a linear layer is a pass over its weights, where cuBLAS leaves much of
 the copy bandwidth unused; the skinny kernel also fuses bias and GELU, and for the block's
@@ -9,29 +10,34 @@ References: `engine.layers.linear` and `engine.layers.add_norm_linear`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 
 from kernels.gelu import bias_gelu
 from kernels.layernorm import add_layer_norm
-from kernels.skinny_gemm import MAX_M, AddNorm, skinny_add_norm_linear, skinny_linear
+from kernels.skinny_gemm import (MAX_M, TILE_CANDIDATES, AddNorm, TileConfig,
+                                 skinny_add_norm_linear, skinny_linear)
 
 log = logging.getLogger(__name__)
 ShapeKey = tuple[int, int, int, bool, bool]  # (N, K, M, gelu, norm fused in)
+SkinnyWins = Mapping[ShapeKey, TileConfig]
 
 
 class LinearDispatch:
     """Callable as `linear(x, weight, bias, gelu=False)`, with `add_norm_linear` beside it;
-    `skinny_wins` holds the shapes where the skinny kernel measured faster (empty: never)."""
+    `skinny_wins` maps the shapes where the skinny kernel measured faster to the tile config
+    that did (empty: never)."""
 
-    def __init__(self, skinny_wins: frozenset[ShapeKey] = frozenset()):
-        self.skinny_wins = skinny_wins
+    def __init__(self, skinny_wins: SkinnyWins | None = None):
+        self.skinny_wins = skinny_wins or {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  gelu: bool = False) -> torch.Tensor:
-        if (weight.shape[0], weight.shape[1], x.shape[0], gelu, False) in self.skinny_wins:
-            return skinny_linear(x, weight, bias, gelu)
+        config = self.skinny_wins.get((weight.shape[0], weight.shape[1], x.shape[0], gelu, False))
+        if config is not None:
+            return skinny_linear(x, weight, bias, gelu, config)
         return bias_gelu(F.linear(x, weight), bias) if gelu else F.linear(x, weight, bias)
 
     def add_norm_linear(self, x: torch.Tensor, residual: torch.Tensor,
@@ -40,21 +46,21 @@ class LinearDispatch:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(LayerNorm(x + residual)), x + residual): one skinny launch for the shapes
         it won, else the add + LayerNorm kernel and then the linear."""
-        if (weight.shape[0], weight.shape[1], x.shape[0], gelu, True) in self.skinny_wins:
+        config = self.skinny_wins.get((weight.shape[0], weight.shape[1], x.shape[0], gelu, True))
+        if config is not None:
             norm = AddNorm(residual, norm_weight, norm_bias, eps)
-            return skinny_add_norm_linear(x, norm, weight, bias, gelu)
+            return skinny_add_norm_linear(x, norm, weight, bias, gelu, config)
         normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
         return self(normed, weight, bias, gelu), summed
 
 
 def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],
-                        dtype: torch.dtype, device: torch.device) -> frozenset[ShapeKey]:
-    """For each (N, K, gelu, norm) and batch size M <= MAX_M, time the skinny kernel against
-    the unfused path (cuBLAS, plus the add + LayerNorm kernel for norm shapes) inside CUDA
-    graphs (launch overhead excluded, as in a captured decode step), weights rotated so they
-    stream from memory as in a real step."""
-    unfused = LinearDispatch()
-    wins = set()
+                        dtype: torch.dtype, device: torch.device) -> dict[ShapeKey, TileConfig]:
+    """For each (N, K, gelu, norm) and batch size M <= MAX_M, time the skinny kernel in each
+    candidate tile config against the unfused path (cuBLAS, plus the add + LayerNorm kernel
+    for norm shapes) inside CUDA graphs (launch overhead excluded, as in a captured decode
+    step), weights rotated so they stream from memory as in a real step."""
+    wins = {}
     for n, k, gelu, norm in shapes:
         weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5
                    for _ in range(max(2, (256 << 20) // (n * k * dtype.itemsize)))][:16]
@@ -62,18 +68,26 @@ def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: 
         ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
         for m in (m for m in batch_sizes if m <= MAX_M):
             x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
-            fused = LinearDispatch(frozenset({(n, k, m, gelu, norm)}))
-            if norm:
-                calls = [lambda w, d=d: d.add_norm_linear(x, residual, ln_w, ln_b, 1e-5, w, bias,
-                                                         gelu) for d in (fused, unfused)]
-            else:
-                calls = [lambda w, d=d: d(x, w, bias, gelu) for d in (fused, unfused)]
-            skinny_ms, unfused_ms = (graph_ms(call, weights) for call in calls)
-            if skinny_ms < unfused_ms:
-                wins.add((n, k, m, gelu, norm))
-            log.info("linear N=%d K=%d M=%d gelu=%s norm=%s: skinny %.4f ms, unfused %.4f ms",
-                     n, k, m, gelu, norm, skinny_ms, unfused_ms)
-    return frozenset(wins)
+            key = (n, k, m, gelu, norm)
+            paths = {None: LinearDispatch(),
+                     **{c: LinearDispatch({key: c}) for c in TILE_CANDIDATES}}
+            times = {config: graph_ms(layer_call(dispatch, x, residual, ln_w, ln_b, bias, norm,
+                                                 gelu), weights)
+                     for config, dispatch in paths.items()}
+            best = min(times, key=times.get)
+            if best is not None:
+                wins[key] = best
+            log.info("linear N=%d K=%d M=%d gelu=%s norm=%s: unfused %.4f ms, skinny %s", n, k,
+                     m, gelu, norm, times.pop(None),
+                     ", ".join(f"{tuple(c)} {t:.4f}" for c, t in times.items()))
+    return wins
+
+
+def layer_call(dispatch: LinearDispatch, x, residual, ln_w, ln_b, bias, norm: bool, gelu: bool):
+    """The layer as the model calls it, for a weight passed in."""
+    if norm:
+        return lambda w: dispatch.add_norm_linear(x, residual, ln_w, ln_b, 1e-5, w, bias, gelu)
+    return lambda w: dispatch(x, w, bias, gelu)
 
 
 def graph_ms(call, weights: list[torch.Tensor], replays: int = 10) -> float:

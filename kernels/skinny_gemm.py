@@ -9,8 +9,9 @@ so the kernel tiles W and lets the few rows of x ride along:
     x [M <= 16, K]     all rows, padded to BLOCK_M (>= 16) columns for tl.dot
     acc [BN, BLOCK_M]  += W_tile @ x_tile^T in fp32 (W is the tensor-core M side)
 
-BN shrinks (64, 32, 16) until the tiles cover at least half the SMs; when the tiles still leave SMs idle
-(gpt2 c_proj: 768 rows) K is split across programs. Each writes its fp32 partial; the last to
+The tile config (BN, K step, warps, ...) comes from a table measured at startup
+(kernels/linear.py). K is split across programs towards two per SM when the tiles alone leave
+SMs idle (gpt2 c_proj: 768 rows). Each writes its fp32 partial; the last to
 arrive at the tile's counter (kernels/arrival_counters.py) sums them in split order and
 applies bias and GELU, so the whole layer is one launch.
 
@@ -40,6 +41,7 @@ from kernels.device_info import num_sms
 from kernels.gelu import gelu_tanh
 
 MAX_M = 16
+PROGRAMS_PER_SM = 2
 
 
 class TileConfig(NamedTuple):
@@ -50,6 +52,12 @@ class TileConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 4
     min_split_steps: int = 4
+
+
+# The tile configs the startup table tries per shape: the winners of scripts/sweep_skinny.py on
+# an H100 for GPT-2 small and XL layers (docs/kernels.md row 14)
+TILE_CANDIDATES = (TileConfig(32, 128, 2, 3, 4), TileConfig(64, 256, 4, 3, 2),
+                   TileConfig(16, 256, 4, 3, 4))
 
 
 class AddNorm(NamedTuple):
@@ -77,28 +85,61 @@ def _row_centres(x_ptr, res_ptr, cols, M, stride_xm):
 
 
 @triton.jit
-def _input_tile(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, offs_k, cols, centre, M,
-                stride_xm, write_sum, NORM: tl.constexpr):
-    """The dot's input [BK, BLOCK_M] and, with NORM, d = s - centre [BK, BLOCK_M] (fp32, 0
-    outside columns < M).
+def _plain_loop(x_ptr, w_rows, n_ok, cols, M, k_lo, k_hi, stride_xm, acc,
+                BLOCK_K: tl.constexpr):
+    """acc += W[:, k_lo:k_hi] @ x[:, k_lo:k_hi]^T; both loads feed the dot directly, so the
+    compiler pipelines them (num_stages)."""
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # BLOCK_K divides K: no mask along K, 16 B loads
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+        x_t = tl.load(x_ptr + cols[None, :] * stride_xm + offs_k[:, None],
+                      mask=(cols < M)[None, :], other=0.0)
+        acc = tl.dot(w, x_t, acc, input_precision="ieee")
+    return acc
 
-    Plain: column m is x row m. NORM (the affine form of LayerNorm, see the module doc):
-    column m < M holds gamma * d_m, column M gamma and M + 1 beta."""
+
+@triton.jit
+def _norm_operands(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, offs_k, cols, M, stride_xm, k_hi):
+    """s [BK, BLOCK_M], gamma and beta [BK, 1] at offs_k, all fp32; zero from k_hi on (the
+    prefetch after the last step)."""
+    k_ok = offs_k < k_hi
+    s = _sum_rows(x_ptr, res_ptr, cols[None, :] * stride_xm + offs_k[:, None],
+                  (cols < M)[None, :] & k_ok[:, None])
+    gamma = tl.load(ln_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]
+    beta = tl.load(ln_b_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[:, None]
+    return s, gamma, beta
+
+
+@triton.jit
+def _norm_loop(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, w_rows, n_ok, cols, M, k_lo, k_hi,
+               stride_xm, write_sum, acc, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The affine-form loop (see the module doc). The dot's input is computed, not loaded,
+    so the compiler does not pipeline its loads: each step loads the next step's operands
+    itself, and only the first load's latency is exposed. Returns acc and the sums of
+    d = s - centre and d^2 [BLOCK_M]; writes s to sum_ptr if write_sum."""
     row_ok = (cols < M)[None, :]
-    x_offs = cols[None, :] * stride_xm + offs_k[:, None]
-    if not NORM:
-        x_t = tl.load(x_ptr + x_offs, mask=row_ok, other=0.0)
-        return x_t, x_t.to(tl.float32)
-    s = _sum_rows(x_ptr, res_ptr, x_offs, row_ok)
-    tl.store(sum_ptr + x_offs, s.to(sum_ptr.dtype.element_ty),
-             mask=(cols < tl.where(write_sum, M, 0))[None, :])
-    d = tl.where(row_ok, s - centre[None, :], 0.0)
-    gamma = tl.load(ln_w_ptr + offs_k).to(tl.float32)[:, None]
-    tile = tl.where(row_ok, gamma * d, 0.0)
-    tile = tl.where((cols == M)[None, :], gamma, tile)
-    tile = tl.where((cols == M + 1)[None, :], tl.load(ln_b_ptr + offs_k).to(tl.float32)[:, None],
-                    tile)
-    return tile.to(sum_ptr.dtype.element_ty), d
+    centre = _row_centres(x_ptr, res_ptr, cols, M, stride_xm)
+    d_lanes = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
+    d_sq_lanes = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
+    s, gamma, beta = _norm_operands(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr,
+                                    k_lo + tl.arange(0, BLOCK_K), cols, M, stride_xm, k_hi)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+        s_next, gamma_next, beta_next = _norm_operands(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr,
+                                                       offs_k + BLOCK_K, cols, M, stride_xm,
+                                                       k_hi)
+        tl.store(sum_ptr + cols[None, :] * stride_xm + offs_k[:, None],
+                 s.to(sum_ptr.dtype.element_ty), mask=(cols < tl.where(write_sum, M, 0))[None, :])
+        d = tl.where(row_ok, s - centre[None, :], 0.0)
+        d_lanes += d
+        d_sq_lanes += d * d
+        x_t = tl.where(row_ok, gamma * d, 0.0)
+        x_t = tl.where((cols == M)[None, :], gamma, x_t)
+        x_t = tl.where((cols == M + 1)[None, :], beta, x_t)
+        acc = tl.dot(w, x_t.to(sum_ptr.dtype.element_ty), acc, input_precision="ieee")
+        s, gamma, beta = s_next, gamma_next, beta_next
+    return acc, tl.sum(d_lanes, axis=0), tl.sum(d_sq_lanes, axis=0)
 
 
 @triton.jit
@@ -139,24 +180,15 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, stats_ptr, counter
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    if NORM:
-        centre = _row_centres(x_ptr, res_ptr, cols, M, stride_xm)
-    else:
-        centre = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    d_lanes = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
-    d_sq_lanes = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):  # BLOCK_K divides K: no mask along K, 16 B loads
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
-        x_t, d = _input_tile(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, offs_k, cols, centre,
-                             M, stride_xm, tile == 0, NORM)
-        if NORM:
-            d_lanes += d
-            d_sq_lanes += d * d
-        acc = tl.dot(w, x_t, acc, input_precision="ieee")
-    d_sum = tl.sum(d_lanes, axis=0)
-    d_sq = tl.sum(d_sq_lanes, axis=0)
+    if NORM:
+        acc, d_sum, d_sq = _norm_loop(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, w_rows, n_ok,
+                                      cols, M, k_lo, k_hi, stride_xm, tile == 0, acc, BLOCK_M,
+                                      BLOCK_K)
+    else:
+        acc = _plain_loop(x_ptr, w_rows, n_ok, cols, M, k_lo, k_hi, stride_xm, acc, BLOCK_K)
+        d_sum = tl.zeros([BLOCK_M], tl.float32)
+        d_sq = tl.zeros([BLOCK_M], tl.float32)
     out_ptrs = out_ptr + cols[None, :] * stride_om + offs_n[:, None]
     out_mask = n_ok[:, None] & (cols < M)[None, :]
     if SPLIT:
@@ -194,8 +226,10 @@ def _block_n(n: int, sms: int) -> int:
 
 
 def _splits(num_tiles: int, k_steps: int, sms: int, config: TileConfig) -> int:
-    """Split K only while tiles leave SMs idle and each split keeps min_split_steps K steps."""
-    return max(1, min(triton.cdiv(sms, num_tiles), k_steps // config.min_split_steps))
+    """Split K towards PROGRAMS_PER_SM programs per SM (more loads in flight), while each
+    split keeps min_split_steps K steps."""
+    return max(1, min(triton.cdiv(PROGRAMS_PER_SM * sms, num_tiles),
+                      k_steps // config.min_split_steps))
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool,

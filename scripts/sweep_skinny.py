@@ -1,6 +1,7 @@
 """Tile-config sweep of the skinny GEMM on GPT-2 layer shapes, against the unfused path
 (cuBLAS, plus the add + LayerNorm kernel before QKV and FC), timed inside CUDA graphs with
-weights rotated so they stream from memory as in a decode step.
+weights rotated so they stream from memory as in a decode step. Its winners become the
+candidates the startup table tries (kernels.skinny_gemm.TILE_CANDIDATES).
 
     python scripts/sweep_skinny.py --widths 768,1600 --m 1,4
 """
@@ -11,8 +12,8 @@ import itertools
 
 import torch
 
-from kernels.linear import LinearDispatch, graph_ms
-from kernels.skinny_gemm import AddNorm, TileConfig, skinny_add_norm_linear, skinny_linear
+from kernels.linear import LinearDispatch, graph_ms, layer_call
+from kernels.skinny_gemm import TileConfig
 
 CONFIGS = [TileConfig(block_n, block_k, warps, 3, min_steps) for block_n, block_k, warps, min_steps
            in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (2, 4))]
@@ -30,29 +31,20 @@ def sweep(width: int, m: int) -> None:
         weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5 for _ in range(16)]
         bias = torch.randn(n, dtype=dtype, device=device)
         x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
-        add_norm = AddNorm(residual, torch.randn(k, dtype=dtype, device=device),
-                           torch.randn(k, dtype=dtype, device=device), 1e-5)
-        unfused = LinearDispatch()
-        if norm:
-            base = graph_ms(lambda w: unfused.add_norm_linear(
-                x, residual, add_norm.weight, add_norm.bias, add_norm.eps, w, bias, gelu), weights)
-        else:
-            base = graph_ms(lambda w: unfused(x, w, bias, gelu), weights)
-        times = []
-        for config in CONFIGS:
-            if norm:
-                call = lambda w, c=config: skinny_add_norm_linear(x, add_norm, w, bias, gelu, c)
-            else:
-                call = lambda w, c=config: skinny_linear(x, w, bias, gelu, c)
-            times.append((graph_ms(call, weights), config))
-        times.sort(key=lambda t: t[0])
-        default = graph_ms(lambda w: (skinny_add_norm_linear(x, add_norm, w, bias, gelu) if norm
-                                      else skinny_linear(x, w, bias, gelu)), weights)
+        ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
+
+        def time_ms(config: TileConfig | None) -> float:
+            dispatch = LinearDispatch({(n, k, m, gelu, norm): config} if config else None)
+            return graph_ms(layer_call(dispatch, x, residual, ln_w, ln_b, bias, norm, gelu),
+                            weights)
+
+        unfused, default = time_ms(None), time_ms(TileConfig())
+        times = sorted((time_ms(config), config) for config in CONFIGS)
         gb_per_s = n * k * dtype.itemsize / times[0][0] / 1e6
-        print(f"{name} N={n} K={k} M={m}: unfused {base * 1e3:.2f} us, default {default * 1e3:.2f}"
-              f" us, best {times[0][0] * 1e3:.2f} us ({gb_per_s:.0f} GB/s) {tuple(times[0][1])};"
-              f" next {', '.join(f'{t * 1e3:.2f} {tuple(c)}' for t, c in times[1:4])}",
-              flush=True)
+        print(f"{name} N={n} K={k} M={m}: unfused {unfused * 1e3:.2f} us, default "
+              f"{default * 1e3:.2f} us, best {times[0][0] * 1e3:.2f} us ({gb_per_s:.0f} GB/s) "
+              f"{tuple(times[0][1])}; next "
+              f"{', '.join(f'{t * 1e3:.2f} {tuple(c)}' for t, c in times[1:4])}", flush=True)
 
 
 def main() -> None:

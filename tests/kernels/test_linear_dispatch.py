@@ -8,6 +8,7 @@ from engine.layers import linear as linear_reference
 import kernels.linear as linear_module
 from kernel_cases import DEVICE, tol
 from kernels.linear import LinearDispatch
+from kernels.skinny_gemm import TileConfig
 
 
 def _count_skinny_launches(monkeypatch) -> list:
@@ -28,7 +29,7 @@ def test_both_paths_match_reference(m, gelu, monkeypatch):
     weight, bias = torch.randn(n, k, device=DEVICE) / 8, torch.randn(n, device=DEVICE)
     calls = _count_skinny_launches(monkeypatch)
     expected = linear_reference(x, weight, bias, gelu)
-    for wins in (frozenset(), frozenset({(n, k, m, gelu, False)} if m <= 16 else set())):
+    for wins in ({}, {(n, k, m, gelu, False): TileConfig()} if m <= 16 else {}):
         calls.clear()
         out = LinearDispatch(wins)(x, weight, bias, gelu)
         torch.testing.assert_close(out, expected, **tol(torch.float32))
@@ -48,7 +49,7 @@ def test_add_norm_linear_paths_match_reference(m, gelu, monkeypatch):
     expected = add_norm_linear_reference(x, residual, ln_w, ln_b, 1e-5, weight, bias, gelu)
     for norm_flag in (False, True):
         calls.clear()
-        wins = frozenset({(n, k, m, gelu, norm_flag)} if m <= 16 else set())
+        wins = {(n, k, m, gelu, norm_flag): TileConfig()} if m <= 16 else {}
         out = LinearDispatch(wins).add_norm_linear(x, residual, ln_w, ln_b, 1e-5, weight, bias,
                                                    gelu)
         torch.testing.assert_close(out, expected, **tol(torch.float32))
