@@ -48,12 +48,29 @@ def gpt2_encoding() -> tiktoken.Encoding:
                              special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
 
 
+@lru_cache(maxsize=1)
+def _token_pieces() -> tuple[list[bytes], list[str | None]]:
+    """Every token's bytes, and its text where those bytes are whole UTF-8 characters (all
+    but a few hundred tokens): streaming looks a token up instead of decoding it."""
+    encoding = gpt2_encoding()
+    token_bytes = [encoding.decode_single_token_bytes(t) for t in range(encoding.n_vocab)]
+    return token_bytes, [_whole_text(b) for b in token_bytes]
+
+
+def _whole_text(data: bytes) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:  # part of a character, or not UTF-8
+        return None
+
+
 class Tokenizer:
     vocab_size = 50257
     eos_token_id = 50256
 
     def __init__(self) -> None:
         self.encoding = gpt2_encoding()
+        self.token_bytes_table, self.token_text_table = _token_pieces()
 
     def encode(self, text: str) -> list[int]:
         """Plain text; "<|endoftext|>" in user text is encoded as text, not as the special."""
@@ -62,8 +79,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.encoding.decode(token_ids, errors="replace")
 
-    def token_bytes(self, token_id: int) -> bytes:
-        return self.encoding.decode_single_token_bytes(token_id)
 
 
 class IncrementalDetokenizer:
@@ -71,12 +86,18 @@ class IncrementalDetokenizer:
     an incomplete character wait for the tokens that complete them."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+        self._bytes, self._texts = tokenizer.token_bytes_table, tokenizer.token_text_table
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._mid_character = False  # the decoder holds bytes of an unfinished character
 
     def add(self, token_id: int) -> str:
-        return self._decoder.decode(self.tokenizer.token_bytes(token_id))
+        text = self._texts[token_id]
+        if text is None or self._mid_character:
+            text = self._decoder.decode(self._bytes[token_id])
+            self._mid_character = bool(self._decoder.getstate()[0])
+        return text
 
     def flush(self) -> str:
         """At the end of a sequence: emit whatever is pending (a broken tail becomes U+FFFD)."""
+        self._mid_character = False
         return self._decoder.decode(b"", final=True)

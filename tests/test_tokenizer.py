@@ -1,5 +1,7 @@
 """Offline GPT-2 tokenizer, incremental detokenization and stop strings."""
+import codecs
 import hashlib
+import random
 from importlib import resources
 
 import pytest
@@ -74,3 +76,18 @@ def test_final_only_bulk_decoding_equals_streamed_text():
         streamed.add(t, final=i == len(ids) - 1)
     assert pieces[:-1] == [""] * (len(ids) - 1)
     assert bulk.text == streamed.text == TEXT
+
+
+def test_incremental_detokenizer_pieces_equal_byte_decoding():
+    """The per-token text lookup gives the pieces an incremental UTF-8 decoder gives, also
+    around tokens holding parts of characters."""
+    tok = Tokenizer()
+    partial = [t for t, text in enumerate(tok.token_text_table) if text is None]
+    rng = random.Random(0)
+    ids = [rng.choice(partial) if rng.random() < 0.3 else rng.randrange(50256)
+           for _ in range(3000)]
+    reference = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    detok = IncrementalDetokenizer(tok)
+    for t in ids:
+        assert detok.add(t) == reference.decode(tok.encoding.decode_single_token_bytes(t))
+    assert detok.flush() == reference.decode(b"", final=True)
