@@ -25,7 +25,7 @@ class ScheduledSequence:
     request_id: str
     token_ids: list[int]  # the new tokens whose KV this step computes (or [PLACEHOLDER_TOKEN])
     start_position: int  # position of token_ids[0] == tokens already in the cache
-    block_ids: list[int]  # the request's whole block table, covering start + len(token_ids)
+    block_ids: tuple[int, ...]  # the request's whole block table, covering the new tokens
     sample: bool  # this chunk reaches the end of the sequence: sample the next token
     params: SamplingParams
     output_token_ids: tuple[int, ...] = ()  # generated so far (penalties); set only if needed

@@ -38,7 +38,8 @@ class Block:
 
 @dataclass
 class _RequestBlocks:
-    block_ids: list[int] = field(default_factory=list)
+    # a tuple, replaced as the table grows: a step's description holds it without a copy
+    block_ids: tuple[int, ...] = ()
     keys: list[BlockKey] = field(default_factory=list)  # keys of the leading full blocks
 
 
@@ -67,7 +68,7 @@ class BlockManager:
         """Fraction of blocks held by running requests (cached-but-free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
         return self._requests[request_id].block_ids
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -107,9 +108,8 @@ class BlockManager:
         self._requests[request_id] = entry
         for block_id in cached:
             self._take(block_id)
-            entry.block_ids.append(block_id)
             entry.keys.append(self.blocks[block_id].key)  # type: ignore[arg-type]
-        entry.block_ids.extend(self._pop_free() for _ in range(fresh))
+        entry.block_ids = tuple(cached) + tuple(self._pop_free() for _ in range(fresh))
         return True
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
@@ -120,7 +120,7 @@ class BlockManager:
         fresh = self.blocks_needed(num_tokens) - len(entry.block_ids)
         if fresh > self.num_free_blocks:
             return False
-        entry.block_ids.extend(self._pop_free() for _ in range(max(fresh, 0)))
+        entry.block_ids += tuple(self._pop_free() for _ in range(max(fresh, 0)))
         return True
 
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:

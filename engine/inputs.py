@@ -116,7 +116,7 @@ def _decode_host_inputs(seqs: list[ScheduledSequence], block_size: int,
         sample_indices=rows, max_query_len=1)
 
 
-PADDING_ROW = [0]  # a padding row attends to position 0 of block 0 (the cache is zeroed)
+PADDING_ROW = (0,)  # a padding row attends to position 0 of block 0 (the cache is zeroed)
 
 
 class DecodeStager:
@@ -132,8 +132,9 @@ class DecodeStager:
 
     A block-table row is rewritten only when the blocks it holds differ from the sequence's
     (a sequence gains a block every block_size tokens; rows shift when the batch changes),
-    compared as Python lists, so a typical step writes no table row at all. Entries past a
-    row's blocks may be stale: the kernels read a table only below the sequence's length."""
+    compared as tuples (what the scheduler sends), so a typical step writes no table row at
+    all. Entries past a row's blocks may be stale: the kernels read a table only below the
+    sequence's length."""
 
     def __init__(self, ids64: np.ndarray, ids32: np.ndarray, max_blocks_per_seq: int,
                  block_size: int):
@@ -141,7 +142,7 @@ class DecodeStager:
         n = ids64.shape[1]
         self.seq_lens = ids32[:n]
         self.tables = ids32[n:].reshape(n, max_blocks_per_seq)
-        self._rows: list[list[int] | None] = [None] * n  # what each table row holds
+        self._rows: list[tuple[int, ...] | None] = [None] * n  # what each table row holds
 
     def write(self, seqs: list[ScheduledSequence], size: int, sources: list[int]) -> None:
         """Only the per-sequence reads are Python; the arithmetic is numpy over the batch."""
@@ -165,7 +166,7 @@ class DecodeStager:
         for row, s in enumerate(seqs):
             if self._rows[row] != s.block_ids:
                 self.tables[row, :len(s.block_ids)] = s.block_ids
-                self._rows[row] = list(s.block_ids)
+                self._rows[row] = tuple(s.block_ids)  # no copy of the scheduler's tuple
         for row in range(len(seqs), size):
             if self._rows[row] != PADDING_ROW:
                 self.tables[row, 0] = 0

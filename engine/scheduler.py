@@ -183,7 +183,7 @@ class Scheduler:
             known = min(end, num_tokens)
             token_ids = (request.tokens_between(start, known)
                          + [PLACEHOLDER_TOKEN] * (end - known))
-        block_ids = list(self.block_manager.block_ids(request.request_id))
+        block_ids = self.block_manager.block_ids(request.request_id)
         sample = end == num_tokens + request.num_pending_samples
         params = request.params
         penalties = params.needs_penalties
