@@ -85,9 +85,11 @@ class _TimedWait:
         return _timed(self.pending.wait, self.sink)()
 
 
-def graph_kernel_count(runner, batch: int) -> int:
+def graph_kernels(runner, batch: int) -> dict:
     """Kernels in the captured decode graph for this batch: its forward run once eagerly
-    under the profiler (the same calls the capture recorded, argmax included)."""
+    under the profiler (the same calls the capture recorded, argmax included). Returns their
+    count, their summed GPU time (the graph's replay time minus this is launch gaps) and the
+    kernels taking the most of it."""
     graphs = runner.graphs
     size = next(s for s in graphs.sizes if s >= batch)
     torch.cuda.synchronize()
@@ -95,7 +97,12 @@ def graph_kernel_count(runner, batch: int) -> int:
             activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graphs.forward(size).argmax(dim=-1)
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    return {"count": sum(e.count for e in kernels),
+            "busy_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3, 4),
+            "top_us": {f"{e.key[:60]} x{e.count}": round(e.self_device_time_total, 1)
+                       for e in kernels[:10]}}
 
 
 def main() -> None:
@@ -110,7 +117,7 @@ def main() -> None:
     result = {}
     for batch in batches:
         result[f"b{batch}"] = {"graph_replay_ms": round(replay_ms(llm.engine.runner, batch), 4),
-                               "graph_kernels": graph_kernel_count(llm.engine.runner, batch),
+                               "graph_kernels": graph_kernels(llm.engine.runner, batch),
                                "host_phases_ms": host_phases(llm.engine, batch, greedy)}
         print(args.model, batch, json.dumps(result[f"b{batch}"]), flush=True)
     print(args.model, json.dumps(result), flush=True)
