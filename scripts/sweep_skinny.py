@@ -15,8 +15,8 @@ import torch
 from kernels.linear import LinearDispatch, graph_ms, layer_call
 from kernels.skinny_gemm import TileConfig
 
-CONFIGS = [TileConfig(block_n, block_k, warps, 3, min_steps) for block_n, block_k, warps, min_steps
-           in itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (2, 4))]
+CONFIGS = [TileConfig(*knobs) for knobs in itertools.product(
+    (16, 32, 64), (128, 256), (2, 4), (2, 3, 4, 5), (1, 2))]  # BN, BK, warps, stages, min steps
 
 
 def layer_shapes(width: int) -> list[tuple[str, int, int, bool, bool]]:
