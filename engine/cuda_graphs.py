@@ -95,7 +95,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[size] = self.forward(size)
-                self.greedy[size] = self.logits[size].argmax(dim=-1)
+                self.greedy[size] = self.model.ops.argmax(self.logits[size])
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()

@@ -44,13 +44,19 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
     return linear(normed, weight, bias, gelu), summed
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> int64 [B]: each row's first index of its maximum (greedy decoding)."""
+    return logits.argmax(dim=-1)
+
+
 @dataclass(frozen=True)
 class Ops:
     layer_norm: Callable[..., torch.Tensor]
     add_layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     linear: Callable[..., torch.Tensor]  # linear(x, weight, bias, gelu=False)
     add_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    argmax: Callable[[torch.Tensor], torch.Tensor]
 
 
 TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
-                add_norm_linear=add_norm_linear)
+                add_norm_linear=add_norm_linear, argmax=argmax)

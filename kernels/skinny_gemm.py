@@ -55,9 +55,10 @@ class TileConfig(NamedTuple):
 
 
 # The tile configs the startup table tries per shape: the winners of scripts/sweep_skinny.py on
-# an H100 for GPT-2 small and XL layers (docs/kernels.md row 14)
-TILE_CANDIDATES = (TileConfig(32, 128, 2, 3, 4), TileConfig(64, 256, 4, 3, 2),
-                   TileConfig(16, 256, 4, 3, 4))
+# an H100 at M = 1 for GPT-2 small's QKV and FC, c_proj, attention out, and XL's c_proj
+# (docs/benchmarks/h100/s3-skinny/sweep768.log, sweep1600.log)
+TILE_CANDIDATES = (TileConfig(32, 256, 2, 4, 2), TileConfig(64, 256, 4, 4, 2),
+                   TileConfig(16, 256, 4, 4, 2), TileConfig(32, 128, 2, 4, 1))
 
 
 class AddNorm(NamedTuple):
