@@ -19,7 +19,7 @@ import triton.language as tl
 from kernels.arrival_counters import arrive_last, counters_for, reset_counter
 
 CHUNK = 4096
-NO_INDEX = 2 ** 31 - 1
+NO_INDEX = tl.constexpr(2 ** 31 - 1)  # above any index: loses every min
 
 
 @triton.jit
