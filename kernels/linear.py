@@ -10,10 +10,12 @@ References: `engine.layers.linear` and `engine.layers.add_norm_linear`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from kernels.gelu import bias_gelu
 from kernels.layernorm import add_layer_norm
@@ -71,8 +73,8 @@ def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: 
             key = (n, k, m, gelu, norm)
             paths = {None: LinearDispatch(),
                      **{c: LinearDispatch({key: c}) for c in TILE_CANDIDATES}}
-            times = {config: graph_ms(layer_call(dispatch, x, residual, ln_w, ln_b, bias, norm,
-                                                 gelu), weights)
+            times = {config: _graph_ms_if_fits(layer_call(dispatch, x, residual, ln_w, ln_b,
+                                                          bias, norm, gelu), weights)
                      for config, dispatch in paths.items()}
             best = min(times, key=times.get)
             if best is not None:
@@ -81,6 +83,15 @@ def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: 
                      m, gelu, norm, times.pop(None),
                      ", ".join(f"{tuple(c)} {t:.4f}" for c, t in times.items()))
     return wins
+
+
+def _graph_ms_if_fits(call, weights: list[torch.Tensor]) -> float:
+    """graph_ms, or infinity for a tile config whose shared memory exceeds this GPU's at this
+    dtype (fp32 doubles the tiles of fp16, which the candidates were tuned for)."""
+    try:
+        return graph_ms(call, weights)
+    except OutOfResources:
+        return math.inf
 
 
 def layer_call(dispatch: LinearDispatch, x, residual, ln_w, ln_b, bias, norm: bool, gelu: bool):
