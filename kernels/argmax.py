@@ -52,9 +52,9 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> int64 [B], the index of each row's maximum."""
     assert logits.dim() == 2 and logits.stride(1) == 1
     rows, vocab = logits.shape
-    out = torch.zeros(rows, dtype=torch.int64, device=logits.device)
     if rows == 0 or vocab == 0:
-        return out
+        return torch.zeros(rows, dtype=torch.int64, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)  # every row is written
     chunks = triton.cdiv(vocab, CHUNK)
     best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     index = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
