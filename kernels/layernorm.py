@@ -1,4 +1,5 @@
-"""LayerNorm and fused residual-add + LayerNorm, one program per row.
+"""LayerNorm and fused residual-add + LayerNorm, one program per row (or per 4 rows in big
+batches).
 
 A GPT-2 row (768..1600 features) fits in registers, so each program reads its row once, keeps
 it on chip for the mean, the variance and the normalization, and writes once: the kernel is
@@ -13,26 +14,31 @@ import torch
 import triton
 import triton.language as tl
 
+ROWS_PER_PROGRAM = 4
+MANY_ROWS = 1024
+
 
 @triton.jit
-def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, n_cols, eps,
-                       HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64) * n_cols
+def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, n_rows, n_cols, eps,
+                       HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+    col_ok = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        x += tl.load(res_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x = x.to(sum_ptr.dtype.element_ty)  # round once, as the unfused add does
-        tl.store(sum_ptr + row + cols, x, mask=mask)
+        tl.store(sum_ptr + offs, x, mask=mask)
         x = x.to(tl.float32)
-    mean = tl.sum(x, axis=0) / n_cols
-    centered = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=mask).to(tl.float32)
-    y = centered * rstd * w + b
-    tl.store(out_ptr + row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    mean = tl.sum(x, axis=1) / n_cols
+    centered = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=col_ok).to(tl.float32)[None, :]
+    b = tl.load(b_ptr + cols, mask=col_ok).to(tl.float32)[None, :]
+    y = centered * rstd[:, None] * w + b
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x, residual, weight, bias, eps):
@@ -41,12 +47,16 @@ def _launch(x, residual, weight, bias, eps):
     res2 = x2 if residual is None else residual.reshape(-1, n_cols).contiguous()
     out = torch.empty_like(x2)
     summed = out if residual is None else torch.empty_like(x2)
+    n_rows = x2.shape[0]
     block = triton.next_power_of_2(n_cols)
-    if x2.shape[0] > 0:
-        _layer_norm_kernel[(x2.shape[0],)](
-            x2, res2, weight, bias, out, summed, n_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(max(block // 256, 1), 8))
+    # a 1600-wide row is ~6 KB: too little traffic per program to hide one load's latency, so
+    # big batches (prefill) give each program several rows; decode keeps one row per program
+    rows = ROWS_PER_PROGRAM if n_rows >= MANY_ROWS else 1
+    if n_rows > 0:
+        _layer_norm_kernel[(triton.cdiv(n_rows, rows),)](
+            x2, res2, weight, bias, out, summed, n_rows, n_cols, eps,
+            HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block,
+            num_warps=min(max(rows * block // 256, 1), 8))
     return out.view(x.shape), summed.view(x.shape)
 
 
