@@ -223,6 +223,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, stats_ptr, counter
 
 
 def _block_n(n: int, sms: int) -> int:
+    """The default W tile rows: the largest of 64, 32 whose tiles cover half the SMs, else 16."""
     return next((b for b in (64, 32) if triton.cdiv(n, b) >= sms // 2), 16)
 
 
