@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.arrival_counters import arrive_last, counters_for, reset_counter
+from kernels.pdl import pdl_options, pdl_prologue
 
 CHUNK = 4096
 NO_INDEX = tl.constexpr(2 ** 31 - 1)  # above any index: loses every min
@@ -24,7 +25,8 @@ NO_INDEX = tl.constexpr(2 ** 31 - 1)  # above any index: loses every min
 
 @triton.jit
 def _argmax_kernel(x_ptr, best_ptr, index_ptr, out_ptr, counter_ptr, V, stride_row,
-                   CHUNK: tl.constexpr, CHUNKS_POW2: tl.constexpr):
+                   CHUNK: tl.constexpr, CHUNKS_POW2: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -60,5 +62,6 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     index = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     _argmax_kernel[(rows, chunks)](logits, best, index, out, counters_for(logits.device, rows),
                                    vocab, logits.stride(0), CHUNK=CHUNK,
-                                   CHUNKS_POW2=triton.next_power_of_2(chunks), num_warps=8)
+                                   CHUNKS_POW2=triton.next_power_of_2(chunks), num_warps=8,
+                                   **pdl_options(logits.device))
     return out

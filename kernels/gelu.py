@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_options, pdl_prologue
+
 
 @triton.jit
 def gelu_tanh(z):
@@ -22,7 +24,9 @@ def gelu_tanh(z):
 
 
 @triton.jit
-def _bias_gelu_kernel(x_ptr, bias_ptr, out_ptr, numel, n_cols, BLOCK: tl.constexpr):
+def _bias_gelu_kernel(x_ptr, bias_ptr, out_ptr, numel, n_cols, BLOCK: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     z = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -36,5 +40,6 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     block = 2048
     if x.numel() > 0:
         _bias_gelu_kernel[(triton.cdiv(x.numel(), block),)](
-            x, bias, out, x.numel(), x.shape[-1], BLOCK=block, num_warps=8)
+            x, bias, out, x.numel(), x.shape[-1], BLOCK=block, num_warps=8,
+            **pdl_options(x.device))
     return out

@@ -14,13 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_options, pdl_prologue
+
 ROWS_PER_PROGRAM = 4
 MANY_ROWS = 1024
 
 
 @triton.jit
 def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, n_rows, n_cols, eps,
-                       HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < n_cols
@@ -56,7 +60,7 @@ def _launch(x, residual, weight, bias, eps):
         _layer_norm_kernel[(triton.cdiv(n_rows, rows),)](
             x2, res2, weight, bias, out, summed, n_rows, n_cols, eps,
             HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block,
-            num_warps=min(max(rows * block // 256, 1), 8))
+            num_warps=min(max(rows * block // 256, 1), 8), **pdl_options(x.device))
     return out.view(x.shape), summed.view(x.shape)
 
 

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from kernels.arrival_counters import arrive_last, counters_for, reset_counter
 from kernels.device_info import num_sms
+from kernels.pdl import pdl_options, pdl_prologue
 
 LOG2E = 1.4426950408889634
 # Tuning knobs, module-level so scripts/bench_kernels.py --sweep can try others.
@@ -66,7 +67,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                    qk_scale, tokens_per_split, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
                    stride_slot, stride_ch, stride_nb, stride_nh,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, FUSE_STORE: tl.constexpr):
+                   SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, FUSE_STORE: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -203,7 +206,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_new.stride(0), k_new.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_N=DECODE_BLOCK_N, SPLIT=splits > 1,
         MAX_SPLITS=triton.next_power_of_2(splits), FUSE_STORE=new_kv is not None,
-        num_warps=DECODE_NUM_WARPS)
+        num_warps=DECODE_NUM_WARPS, **pdl_options(q.device))
     return out
 
 
@@ -236,7 +239,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
                     query_start_ptr, out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_ch,
                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)  # before the early return: every program waits
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -291,7 +295,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
-        BLOCK_N=PREFILL_BLOCK_N, num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
+        BLOCK_N=PREFILL_BLOCK_N, num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
+        **pdl_options(q.device))
     return out
 
 

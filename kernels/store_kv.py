@@ -12,11 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_options, pdl_prologue
+
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
-                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -44,4 +48,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
-        NUM_HEADS=heads, HEAD_DIM=dim, BLOCK=triton.next_power_of_2(heads * dim), num_warps=4)
+        NUM_HEADS=heads, HEAD_DIM=dim, BLOCK=triton.next_power_of_2(heads * dim), num_warps=4,
+        **pdl_options(k.device))
