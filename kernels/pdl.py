@@ -48,16 +48,20 @@ def pdl_options(device: torch.device) -> dict:
 
 @triton.jit
 def allow_dependents(USE_PDL: tl.constexpr):
-    """Let the next kernel's programs start (they wait for this kernel where they read it)."""
+    """Let the next kernel's programs start (they wait for this kernel where they read it).
+    Own asm, marked impure: triton 3.6's gdc_launch_dependents is a pure op whose unused
+    result the compiler may drop, leaving only the implicit trigger at program exit."""
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def wait_for_inputs(USE_PDL: tl.constexpr):
     """Block until the kernel before this one has finished and its writes are visible."""
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+        tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
