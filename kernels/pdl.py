@@ -2,20 +2,25 @@
 it on the stream is still finishing, and waits for that kernel's results only where it reads
 them.
 
-A captured decode step at batch 1 is ~70 short kernels, each a few microseconds of ramp-up
-(launch, first loads in flight) and tail. Launched with PDL, kernel N+1's programs become
-resident as soon as every program of kernel N has started, run their prologue (index maths,
-the skinny GEMM's L2 prefetch of its weights, which no kernel writes) under kernel N's tail,
-and then block in `griddepcontrol.wait` until kernel N has finished and its writes are visible:
+A captured decode step at batch 1 is ~70 short kernels. Launched with PDL, kernel N+1's
+programs may become resident as soon as every program of kernel N has started; they then
+block in `griddepcontrol.wait` until kernel N has finished and its writes are visible, so
+N+1's launch and scheduling overlap N's tail instead of following it:
 
     kernel N    |==== stream weights ====|tail|
-    kernel N+1        |prologue, prefetch|wait |==== (reads N's output) ====|
+    kernel N+1        (launched, resident)|wait|==== (reads N's output) ====|
+
+Measured on an H100 (docs/kernels.md row 18): the gpt2 batch-1 graph replays ~1 % faster
+(0.405 -> 0.401 ms, two rounds): the graph was already busy 95 % of its replay, so there was
+little gap to hide. Prefetching the skinny GEMM's weights to L2 before the wait (weights are
+never written) gave no steady gain (0.388 and 0.415 ms) and was dropped.
 
 The contract every kernel launched with PDL keeps: **no read of another kernel's output and
-no write at all before `wait_for_inputs`**, and every program reaches it (a program that
-returns early still waits first). So a kernel finishes only after its predecessor has, and a
-normally launched kernel (cuBLAS, torch) after it still sees everything before it. CUDA-graph
-capture keeps these edges (programmatic dependencies in the graph).
+no write at all before the wait**, and every program reaches it (a program that returns
+early still waits first). Every kernel here calls `pdl_prologue` as its first statement. So
+a kernel finishes only after its predecessor has, and a normally launched kernel (cuBLAS,
+torch) after it still sees everything before it. CUDA-graph capture keeps these edges
+(programmatic dependencies in the graph).
 
 Set GPT2_SERVE_PDL=0 to launch normally (for A/B timings); off on the CPU interpreter and on
 GPUs before Hopper.
@@ -47,33 +52,13 @@ def pdl_options(device: torch.device) -> dict:
 
 
 @triton.jit
-def allow_dependents(USE_PDL: tl.constexpr):
-    """Let the next kernel's programs start (they wait for this kernel where they read it).
-    Own asm, marked impure: triton 3.6's gdc_launch_dependents is a pure op whose unused
-    result the compiler may drop, leaving only the implicit trigger at program exit."""
+def pdl_prologue(USE_PDL: tl.constexpr):
+    """The first statement of every kernel here: let the next kernel launch, then block until
+    the kernel before this one has finished and its writes are visible. Own asm, marked
+    impure: triton 3.6's gdc_launch_dependents is a pure op whose unused result the compiler
+    may drop, leaving only the implicit trigger at program exit."""
     if USE_PDL:
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def wait_for_inputs(USE_PDL: tl.constexpr):
-    """Block until the kernel before this one has finished and its writes are visible."""
-    if USE_PDL:
         tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def pdl_prologue(USE_PDL: tl.constexpr):
-    """The start of a kernel with nothing to do before its inputs are ready."""
-    allow_dependents(USE_PDL)
-    wait_for_inputs(USE_PDL)
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask for the cache lines at `ptrs` to be brought into L2 (no registers, no wait): used
-    before `wait_for_inputs` on data no kernel writes (weights). CUDA only."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)

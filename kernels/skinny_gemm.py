@@ -39,11 +39,10 @@ from engine.layers import add_layer_norm
 from kernels.arrival_counters import arrive_last, counters_for, reset_counter
 from kernels.device_info import num_sms
 from kernels.gelu import gelu_tanh
-from kernels.pdl import allow_dependents, pdl_options, prefetch_l2, wait_for_inputs
+from kernels.pdl import pdl_options, pdl_prologue
 
 MAX_M = 16
 PROGRAMS_PER_SM = 2
-PREFETCH_WEIGHTS = True  # under PDL, start the W slab towards L2 before the inputs are ready
 
 
 class TileConfig(NamedTuple):
@@ -170,33 +169,19 @@ def _column(acc, cols, c):
 
 
 @triton.jit
-def _prefetch_weights(w_ptr, offs_n, N, stride_wn, k_lo, k_hi, BLOCK_K: tl.constexpr,
-                      LINE: tl.constexpr):
-    """Start this program's W slab towards L2 (one request per LINE elements, 128 bytes)
-    while the previous kernel finishes: weights are never written, so this needs no wait."""
-    rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        prefetch_l2(rows + (k0 + tl.arange(0, BLOCK_K // LINE) * LINE)[None, :])
-
-
-@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, stats_ptr, counter_ptr,
                    res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, eps, M, N, K, k_per_split,
                    stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                    NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr,
-                   PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
-    allow_dependents(USE_PDL)
-    if PREFETCH and USE_PDL:
-        _prefetch_weights(w_ptr, offs_n, N, stride_wn, k_lo, k_hi, BLOCK_K, LINE)
-    wait_for_inputs(USE_PDL)
     cols = tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if NORM:
@@ -286,9 +271,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ge
         out if summed is None else summed, eps, m, n, k, k_per_split, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
         NORM=norm is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, LINE=min(block_k, 128 // weight.element_size()),
-        PREFETCH=PREFETCH_WEIGHTS,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device))
+        BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device))
     return out, summed
 
 
