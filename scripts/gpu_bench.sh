@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU-node job: kernel and graph tests at full size, then benchmarks, results under $OUT.
 #   OUT=/tmp/out bash scripts/gpu_bench.sh tests latency offline kernels profile
-# Env knobs: MODELS (latency, profile), NUM_PROMPTS and OFFLINE_ARGS (offline), PROFILE_BATCH.
+# Env knobs: MODELS (latency, profile), NUM_PROMPTS and OFFLINE_ARGS (offline), PROFILE_BATCH;
+# GPT2_SERVE_PDL=0 launches the Triton kernels without programmatic dependent launch.
 # The node has torch/triton/transformers but no network: wheels it lacks travel in .whl/ and the
 # plain-PyTorch anchor in .anchor/ (copied from ../shared/anchors/).
 set -uo pipefail
