@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (PDL, Hopper and newer): a kernel starts while the one before
-it on the stream is still finishing, and waits for that kernel's results only where it reads
-them.
+"""Programmatic dependent launch (PDL, Hopper and newer): a kernel is launched while the one
+before it on the stream is still finishing, and its programs wait, first thing, until that
+kernel has finished.
 
 A captured decode step at batch 1 is ~70 short kernels. Launched with PDL, kernel N+1's
 programs may become resident as soon as every program of kernel N has started; they then
@@ -40,6 +40,7 @@ def pdl_enabled(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("GPT2_SERVE_PDL", "1") == "0":
         return False
     from triton.language.extra import cuda as triton_cuda
+    # triton's `launch_pdl` launch option came with its gdc_* builtins
     return (hasattr(triton_cuda, "gdc_wait")
             and torch.cuda.get_device_capability(device)[0] >= 9)
 

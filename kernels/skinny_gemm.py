@@ -271,7 +271,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ge
         out if summed is None else summed, eps, m, n, k, k_per_split, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
         NORM=norm is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x.device))
+        BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_options(x.device))
     return out, summed
 
 
