@@ -26,6 +26,7 @@ from engine.inputs import DecodeStager
 
 if TYPE_CHECKING:
     from engine.model_runner import SampledOnDevice
+    from engine.sampler import DrawInputs
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 up to max_num_seqs (which is always included)."""
@@ -45,13 +46,14 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         n = self.sizes[-1]
         self.max_blocks_per_seq = max_blocks_per_seq
-        # two packed buffers, so a step is two host-to-device copies, not five:
-        #   int64 [5, n]:  previous step's sampled tokens (device-filled) | known token ids |
-        #                  positions | slot mapping | token source
+        # two packed buffers, so a step is two host-to-device copies, not seven:
+        #   int64 [7, n]:  previous step's sampled tokens (device-filled) | known token ids |
+        #                  positions | slot mapping | token source | draw seed |
+        #                  draw temperature (float64 bits)
         #   int32 flat:    seq_lens (n) | block tables (n x max_blocks_per_seq)
         # The graph gathers its input ids from rows 0-1 by token source: a known token's own
         # entry in row 1, or a placeholder's sampled token in row 0.
-        self._ids64 = torch.zeros(5, n, dtype=torch.int64, device=device)
+        self._ids64 = torch.zeros(7, n, dtype=torch.int64, device=device)
         self._ids32 = torch.zeros(n * (1 + max_blocks_per_seq), dtype=torch.int32, device=device)
         # Two pinned staging buffers, used in turn: when step N+1 is staged (scheduling
         # ahead), step N's copies may still be queued behind step N-1 on the device, so
@@ -59,14 +61,16 @@ class DecodeGraphs:
         self._staging = [_PinnedStaging(self._ids64, self._ids32, max_blocks_per_seq,
                                         block_size) for _ in range(2)]
         self._steps_staged = 0
-        self.prev_tokens, _, self.positions, self.slot_mapping, self.token_source = self._ids64
+        (self.prev_tokens, _, self.positions, self.slot_mapping, self.token_source,
+         self.draw_seeds, temperature_bits) = self._ids64
+        self.draw_temperature = temperature_bits.view(torch.float64)
         self._token_pool = self._ids64[:2].view(-1)
         self.seq_lens = self._ids32[:n]
         self.block_tables = self._ids32[n:].view(n, max_blocks_per_seq)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.greedy: dict[int, torch.Tensor] = {}  # argmax of the logits, captured too
+        self.drawn: dict[int, torch.Tensor] = {}  # each row's draw from its logits, captured too
 
     @property
     def max_batch(self) -> int:
@@ -78,11 +82,14 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:size], query_start_loc=self.query_start_loc[:size + 1],
             max_query_len=1, max_seq_len=self.max_model_len)
 
-    def forward(self, size: int) -> torch.Tensor:
-        """The logits computation a graph of this size records, run eagerly."""
+    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph of this size records, run eagerly: the logits, and each row's token
+        drawn from them at its staged temperature and seed (Ops.sample)."""
         token_ids = self._token_pool.index_select(0, self.token_source[:size])
         hidden = self.model(token_ids, self.positions[:size], self.kv_caches, self._meta(size))
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return logits, self.model.ops.sample(logits, self.draw_temperature[:size],
+                                             self.draw_seeds[:size])
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -94,23 +101,24 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self.forward(size)
-                self.greedy[size] = self.model.ops.argmax(self.logits[size])
+                self.logits[size], self.drawn[size] = self.forward(size)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
     def run(self, seqs: list[ScheduledSequence], sources: list[int],
-            last_sampled: SampledOnDevice | None) -> tuple[torch.Tensor, torch.Tensor]:
+            last_sampled: SampledOnDevice | None,
+            draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for this decode batch; sources[i] >= 0 is the row of sequence i's
-        placeholder token in last_sampled. Returns logits [B, vocab] and their argmax [B],
-        views valid until the next replay."""
+        placeholder token in last_sampled. Returns logits [B, vocab] and each row's token
+        drawn at its temperature and seed (`draw_inputs`), views valid until the next
+        replay."""
         batch = len(seqs)
         size = next(s for s in self.sizes if s >= batch)
         staging = self._staging[self._steps_staged % 2]
         self._steps_staged += 1
-        staging.stager.write(seqs, size, sources)
+        staging.stager.write(seqs, size, sources, draw_inputs)
         if last_sampled is not None and max(sources) >= 0:
             sampled = last_sampled.token_ids
             self.prev_tokens[:len(sampled)].copy_(sampled, non_blocking=True)
@@ -120,7 +128,7 @@ class DecodeGraphs:
         used = self.sizes[-1] + size * self.max_blocks_per_seq
         self._ids32[:used].copy_(staging.ids32[:used], non_blocking=True)
         self.graphs[size].replay()
-        return self.logits[size][:batch], self.greedy[size][:batch]
+        return self.logits[size][:batch], self.drawn[size][:batch]
 
 
 class _PinnedStaging:

@@ -123,8 +123,10 @@ class DecodeStager:
     """Writes decode steps (one token per sequence) straight into fixed host arrays, the CUDA
     graphs' pinned staging buffers, for a padded batch of `size` rows:
 
-        ids64 [5, n]         (row 0: filled on the device) | token ids | positions |
-                             slot mapping | token source       padding: 0 | 0 | -1 | n + row
+        ids64 [7, n]         (row 0: filled on the device) | token ids | positions |
+                             slot mapping | token source | draw seed | draw temperature
+                             (float64 bits)
+                             padding: 0 | 0 | -1 | n + row | 0 | 0 (greedy: no noise)
         ids32 [n + n * W]    seq_lens (padding: 1) | block tables [n, W] (padding: block 0)
 
     The token source of row r is n + r (its own token id, row 1) for a known token, or
@@ -139,16 +141,19 @@ class DecodeStager:
     def __init__(self, ids64: np.ndarray, ids32: np.ndarray, max_blocks_per_seq: int,
                  block_size: int):
         self.ids64, self.block_size = ids64, block_size
+        self.temperature = ids64[6].view(np.float64)
         n = ids64.shape[1]
         self.seq_lens = ids32[:n]
         self.tables = ids32[n:].reshape(n, max_blocks_per_seq)
         self._rows: list[tuple[int, ...] | None] = [None] * n  # what each table row holds
 
-    def write(self, seqs: list[ScheduledSequence], size: int, sources: list[int]) -> None:
-        """Only the per-sequence reads are Python; the arithmetic is numpy over the batch."""
+    def write(self, seqs: list[ScheduledSequence], size: int, sources: list[int],
+              draw_inputs: tuple[np.ndarray, np.ndarray]) -> None:
+        """Only the per-sequence reads are Python; the arithmetic is numpy over the batch.
+        `draw_inputs`: each row's temperature and noise seed (Sampler.draw_inputs)."""
         batch, bs, n = len(seqs), self.block_size, self.ids64.shape[1]
         self._write_tables(seqs, size)
-        token_ids, positions, slots, token_source = self.ids64[1:, :batch]
+        token_ids, positions, slots, token_source = self.ids64[1:5, :batch]
         token_ids[:] = [s.token_ids[0] for s in seqs]
         np.maximum(token_ids, 0, out=token_ids)  # a placeholder's id is read from row 0
         positions[:] = [s.start_position for s in seqs]
@@ -156,8 +161,12 @@ class DecodeStager:
         slots[:] = self.tables[rows, positions // bs] * bs + positions % bs
         token_source[:] = sources
         np.copyto(token_source, rows + n, where=token_source < 0)
+        temperature, seeds = draw_inputs
+        self.ids64[5, :batch] = seeds
+        self.temperature[:batch] = temperature
         self.ids64[1:4, batch:size] = ((0,), (0,), (-1,))
         self.ids64[4, batch:size] = range(n + batch, n + size)
+        self.ids64[5:, batch:size] = 0  # float64 0.0 is all zero bits
         self.seq_lens[:batch] = positions + 1
         self.seq_lens[batch:size] = 1
 

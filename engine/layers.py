@@ -44,9 +44,46 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
     return linear(normed, weight, bias, gelu), summed
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] -> int64 [B]: each row's first index of its maximum (greedy decoding)."""
-    return logits.argmax(dim=-1)
+# Sampling is a Gumbel-max race: argmax(logits / T + G) draws from softmax(logits / T) when
+# each G is Gumbel(0, 1). G is a pure function of (row seed, token id), a counter-based hash
+# that a kernel computes in registers exactly as this reference does: no RNG state, no noise
+# tensor, and a row's draw depends on its seed alone, never on its batch.
+HASH_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)  # lowbias32 (a well-mixing 32-bit integer hash)
+MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for int64 x in [0, 2^32), in halves so nothing overflows int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, HASH_MULTIPLIERS[0])
+    x = x ^ (x >> 15)
+    x = _mul32(x, HASH_MULTIPLIERS[1])
+    return x ^ (x >> 15)
+
+
+def gumbel_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B] int64 seeds (>= 0) -> float32 [B, vocab] of Gumbel(0, 1) noise: 23 hashed bits
+    make a uniform u in (0, 1), and G = -log(-log u)."""
+    cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    seed_lo, seed_hi = (seeds & MASK32)[:, None], (seeds >> 32)[:, None]
+    bits = _mix32((_mix32(cols ^ seed_lo) + seed_hi) & MASK32)
+    uniform = ((bits >> 9).float() + 0.5) * 2.0 ** -23
+    return -torch.log(-torch.log(uniform))
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor,
+           seeds: torch.Tensor) -> torch.Tensor:
+    """[B, V] logits, [B] temperatures (as float32), [B] int64 seeds -> int64 [B] tokens: the
+    row's argmax where its temperature is 0 (greedy), else argmax(logits / T + Gumbel noise).
+    As torch.argmax, the first index wins ties and NaN ranks highest."""
+    logits = logits.float()
+    temperature = temperature.float()[:, None]
+    noisy = logits / temperature.clamp(min=1e-30) + gumbel_noise(seeds, logits.shape[1])
+    return torch.where(temperature > 0, noisy, logits).argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -55,8 +92,8 @@ class Ops:
     add_layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     linear: Callable[..., torch.Tensor]  # linear(x, weight, bias, gelu=False)
     add_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    argmax: Callable[[torch.Tensor], torch.Tensor]
+    sample: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
-                add_norm_linear=add_norm_linear, argmax=argmax)
+                add_norm_linear=add_norm_linear, sample=sample)

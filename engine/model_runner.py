@@ -21,7 +21,7 @@ from engine.inputs import (is_decode_step, placeholder_sources, prepare_host_inp
 from engine.layers import TORCH_OPS, Ops
 from engine.models.gpt2 import GPT2Config, load_gpt2, resolve_model_dir
 from engine.request import SamplingParams
-from engine.sampler import Sampler, SamplerOutput, is_plain_greedy
+from engine.sampler import DrawInputs, Sampler, SamplerOutput, is_plain_draw
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ModelRunner:
         ops = ops_for(self.attention_backend, config, self.dtype, self.device)
         self.model = load_gpt2(config.model.model, self.dtype, self.device, ops,
                                get_attention_backend(self.attention_backend))
-        self.sampler = Sampler(self.device, config.model.seed)
+        self.sampler = Sampler(config.model.seed, self.model.ops.sample)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
         self._last_sampled: SampledOnDevice | None = None  # feeds the next step's placeholders
         self.block_size = config.cache.block_size
@@ -185,14 +185,15 @@ class ModelRunner:
         """Queue the step on the device and start copying its tokens back; returns at once.
         Placeholder tokens are read from the previous launch's sampled tokens on the device."""
         to_sample = [s for s in out.sequences if s.sample]
-        logits, greedy = self._forward(out)
+        draw_inputs = self.sampler.draw_inputs(to_sample)
+        logits, drawn = self._forward(out, draw_inputs)
         self._last_sampled = None
         if not to_sample:  # prompt chunks only: nothing to sample
             return PendingStep([], None)
-        if greedy is not None and is_plain_greedy(to_sample):
-            sampled = SamplerOutput(greedy, [], [])
+        if drawn is not None and is_plain_draw(to_sample):
+            sampled = SamplerOutput(drawn, [], [])
         else:
-            sampled = self.sampler(logits, to_sample)
+            sampled = self.sampler(logits, to_sample, draw_inputs)
         sampled.begin_host_copy()
         request_ids = [s.request_id for s in to_sample]
         self._last_sampled = SampledOnDevice(dict(zip(request_ids, range(len(request_ids)))),
@@ -203,17 +204,18 @@ class ModelRunner:
         """Run the forward (writing KV) and return float32 logits [num sample=True seqs, vocab]
         at each sampling sequence's last token. Exposed for tests and scoring."""
         with torch.inference_mode():
-            return self._forward(out)[0]
+            return self._forward(out, self.sampler.draw_inputs(out.sequences))[0]
 
-    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits of the sampling rows, plus their argmax when a decode graph computed it."""
+    def _forward(self, out: SchedulerOutput,
+                 draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the sampling rows, plus each one's draw when a decode graph made it."""
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, device=self.device), None
         seqs = out.sequences
         sources = placeholder_sources(seqs, self._last_sampled and self._last_sampled.rows)
         if (self.graphs is not None and len(seqs) <= self.graphs.max_batch
                 and is_decode_step(seqs)):
-            return self.graphs.run(seqs, sources, self._last_sampled)
+            return self.graphs.run(seqs, sources, self._last_sampled, draw_inputs)
         host = prepare_host_inputs(seqs, self.block_size, self.max_blocks_per_seq)
         step = to_device(host, self.device)
         if any(src >= 0 for src in sources):

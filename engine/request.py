@@ -119,11 +119,12 @@ class SamplingParams:
         return frozenset(self.stop_token_ids + eos)
 
     @functools.cached_property
-    def argmax_of_raw_logits(self) -> bool:
-        """Greedy with nothing that changes the logits or asks for logprobs (min_tokens
-        aside, which depends on the tokens so far). Cached: checked per sequence per step."""
-        return (self.greedy and self.logprobs is None and not self.logit_bias
-                and not self.needs_penalties)
+    def draws_from_raw_logits(self) -> bool:
+        """Only the temperature stands between the raw logits and the token (greedy: their
+        argmax): no logit bias, penalties, top-k/top-p/min-p or logprobs (min_tokens aside,
+        which depends on the tokens so far). Cached: checked per sequence per step."""
+        return (self.logprobs is None and not self.logit_bias and not self.needs_penalties
+                and self.top_k <= 0 and self.top_p == 1.0 and self.min_p == 0.0)
 
 
 @dataclass

@@ -1,16 +1,18 @@
 """Batched sampling on the logits' device. One row of logits per sequence with sample=True.
 
-    sanitise (NaN, inf) ─▶ raw logprobs (requests asking for them)
+    plain rows (temperature only):  draw(logits, T, seed)                one launch on CUDA
+    other batches:  sanitise (NaN, inf) ─▶ raw logprobs (requests asking for them)
       ─▶ logit_bias ─▶ min_tokens (mask stop tokens) ─▶ penalties
-      ─▶ greedy rows: argmax
-      ─▶ other rows:  / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ exponential race
+      ─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ draw(filtered, T > 0 ? 1 : 0, seed)
 
-Each stage that no sequence in the batch uses is skipped, so a plain batch pays for the
-softmax and the race only. The exponential race, argmax(p / E) with E ~ Exp(1), draws from p
-without a CDF search; a seeded request draws its E from its own generator, seeded from
-(seed, tokens generated so far), so its tokens don't depend on its batch or on preemption.
-Per-row parameters reach the device through pinned memory (`engine.inputs.upload`), so
-sampling never waits for the step still running before it.
+The draw is a Gumbel-max race (`engine.layers.sample`, `kernels.sampling` on CUDA): the
+argmax of logits / T plus Gumbel noise hashed from the row's seed and the token id, or the
+plain argmax for greedy rows. A seeded request's seed for a token is (seed, tokens generated
+so far), so its tokens depend neither on its batch nor on preemption, nor on which path drew
+them; unseeded rows take fresh seeds from the sampler's generator. When every row of a decode
+step is plain, the CUDA graph's own draw is the answer and nothing here runs. Per-row
+parameters reach the device through pinned memory (`engine.inputs.upload`), so sampling
+never waits for the step still running before it.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine import layers
 from engine.batch import ScheduledSequence, TokenLogprobs
 from engine.inputs import upload
 from engine.request import EOS_TOKEN_ID
@@ -67,29 +70,52 @@ class SamplerOutput:
         return token_ids, logprobs
 
 
-def is_plain_greedy(seqs: list[ScheduledSequence]) -> bool:
-    """Greedy with nothing that changes the logits or asks for logprobs: the argmax of the
-    raw logits is the answer (argmax also turns NaN rows into a valid token id)."""
-    return all(s.params.argmax_of_raw_logits and s.num_output_tokens >= s.params.min_tokens
+def is_plain_draw(seqs: list[ScheduledSequence]) -> bool:
+    """Every row's token is drawn from its raw logits at its temperature (greedy: their
+    argmax), with nothing else applied: what the decode graphs and `draw` alone compute."""
+    return all(s.params.draws_from_raw_logits and s.num_output_tokens >= s.params.min_tokens
                for s in seqs)
 
 
+# (temperature per row, 0 for greedy: float32 [N]; noise seed per row: int64 [N])
+DrawInputs = tuple[np.ndarray, np.ndarray]
+
+
 class Sampler:
-    """Turns a step's logits into next tokens. Its only state is the generator that unseeded
-    rows draw their noise from (seeded once, so a whole engine run is reproducible)."""
+    """Turns a step's logits into next tokens. `draw` is the device's Gumbel-max op
+    (`Ops.sample`); the only state is the generator that seeds unseeded rows (seeded once, so
+    a whole engine run is reproducible)."""
 
-    def __init__(self, device: torch.device | str = "cpu", seed: int = 0):
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+    def __init__(self, seed: int = 0, draw=layers.sample):
+        self.rng = np.random.default_rng(seed)
+        self.draw = draw
 
-    def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSequence]) -> SamplerOutput:
+    def draw_inputs(self, seqs: list[ScheduledSequence]) -> DrawInputs:
+        """Host arrays for this step's draw; every step takes fresh seeds for its rows."""
+        temperature = np.array([s.params.temperature for s in seqs], dtype=np.float32)
+        # raw 64-bit draws halved to 63 bits: 5x cheaper than rng.integers at batch 256
+        seeds = (self.rng.bit_generator.random_raw(len(seqs)) >> np.uint64(1)).astype(np.int64)
+        for row, s in enumerate(seqs):
+            if s.params.seed is not None:
+                seeds[row] = _step_seed(s.params.seed, s.num_output_tokens)
+        return temperature, seeds
+
+    def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
+                 draw_inputs: DrawInputs | None = None) -> SamplerOutput:
+        temperature, seeds = draw_inputs or self.draw_inputs(seqs)
+        seeds = upload(seeds, torch.int64, logits.device)
+        if is_plain_draw(seqs):
+            return SamplerOutput(self.draw(logits, upload(temperature, torch.float32,
+                                                          logits.device), seeds), [], [])
         logits = sanitize(logits)
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], -1) if logprob_rows else None
         logits = apply_logit_bias(logits, seqs)
         logits = apply_min_tokens(logits, seqs)
         logits = apply_penalties(logits, seqs)
-        token_ids = sample(logits, seqs, self.generator)
+        # _filter divides by the temperature: the draw scales by 1, or takes the argmax
+        scale = upload((temperature > 0).astype(np.float32), torch.float32, logits.device)
+        token_ids = self.draw(_filter(logits, seqs), scale, seeds)
         num_top = [seqs[i].params.logprobs for i in logprob_rows]
         out = SamplerOutput(token_ids, logprob_rows, num_top)
         if raw_logprobs is not None:
@@ -175,19 +201,6 @@ def apply_penalties(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torc
             - per_row("presence_penalty") * (counts > 0).float())
 
 
-def sample(logits: torch.Tensor, seqs: list[ScheduledSequence],
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """Greedy rows take the argmax; the others draw from their filtered distribution."""
-    greedy = [s.params.greedy for s in seqs]
-    if all(greedy):
-        return logits.argmax(dim=-1)
-    sampled = _random_sample(_filter(logits, seqs), seqs, generator)
-    if not any(greedy):
-        return sampled
-    greedy_mask = upload(greedy, torch.bool, logits.device)
-    return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
-
-
 def _filter(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (each only when some row uses it)."""
     device, vocab = logits.device, logits.shape[-1]
@@ -218,19 +231,6 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     mass_before = probs.cumsum(dim=-1) - probs
     ordered = ordered.masked_fill(mass_before >= top_p[:, None], NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, ordered)
-
-
-def _random_sample(logits: torch.Tensor, seqs: list[ScheduledSequence],
-                   generator: torch.Generator | None) -> torch.Tensor:
-    probs = logits.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for row, s in enumerate(seqs):
-        if s.params.seed is not None and not s.params.greedy:
-            own = torch.Generator(device=probs.device)
-            own.manual_seed(_step_seed(s.params.seed, s.num_output_tokens))
-            noise[row].exponential_(generator=own)
-    # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks
-    return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def _step_seed(seed: int, step: int) -> int:

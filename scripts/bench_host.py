@@ -15,29 +15,35 @@ from engine import LLMEngine, SamplingParams
 from engine.batch import CompletedStep, RunnerOutput, SchedulerOutput
 from engine.config import EngineConfig
 from engine.inputs import DecodeStager, is_decode_step, placeholder_sources
+from engine.sampler import Sampler
 
 PHASES = ("schedule", "launch", "update", "outputs", "step_total")
 
 
 class NoOpRunner:
-    """Launch does the real runner's host work for a decode step (placeholder sources, staging
-    into host arrays shaped like the CUDA graphs' pinned buffers) and samples at once: a token
+    """Launch does the real runner's host work for a decode step (placeholder sources, draw
+    seeds, staging into host arrays shaped like the CUDA graphs' pinned buffers) and samples
+    at once: a token
     that changes with the step and the row, so detokenization sees varied text."""
 
     def __init__(self, config: EngineConfig):
         n, block_size = config.scheduler.max_num_seqs, config.cache.block_size
         width = -(-config.scheduler.max_model_len // block_size)
         self.num_kv_blocks = config.cache.num_kv_blocks
-        self.stager = DecodeStager(np.zeros((5, n), np.int64),
+        self.stager = DecodeStager(np.zeros((7, n), np.int64),
                                    np.zeros(n * (1 + width), np.int32), width, block_size)
+        self.sampler = Sampler(config.model.seed)
         self._last_rows: dict[str, int] | None = None
         self._steps = 0
 
     def launch(self, out: SchedulerOutput) -> CompletedStep:
         seqs = out.sequences
+        to_sample = [s for s in seqs if s.sample]
+        draw_inputs = self.sampler.draw_inputs(to_sample)
         if is_decode_step(seqs):
-            self.stager.write(seqs, len(seqs), placeholder_sources(seqs, self._last_rows))
-        ids = [s.request_id for s in seqs if s.sample]
+            self.stager.write(seqs, len(seqs), placeholder_sources(seqs, self._last_rows),
+                              draw_inputs)
+        ids = [s.request_id for s in to_sample]
         self._last_rows = dict(zip(ids, range(len(ids))))
         self._steps += 1
         tokens = [(self._steps * 7919 + row) % 50000 for row in range(len(ids))]

@@ -34,9 +34,11 @@ from engine.attention import (AttentionMetadata, paged_attention_reference,  # n
                               store_kv_reference)
 from engine.layers import TORCH_OPS  # noqa: E402
 from engine.layers import bias_gelu as bias_gelu_reference  # noqa: E402
+from engine.layers import sample as sample_reference  # noqa: E402
 from kernels import TRITON_OPS  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
 from kernels.gelu import bias_gelu  # noqa: E402
+from kernels.sampling import row_sample  # noqa: E402
 from kernels.skinny_gemm import (AddNorm, skinny_add_norm_linear,  # noqa: E402
                                  skinny_add_norm_linear_reference, skinny_linear)
 from kernels.store_kv import store_kv  # noqa: E402
@@ -169,6 +171,21 @@ def elementwise_rows() -> list[dict]:
     ]
 
 
+def sampling_rows() -> list[dict]:
+    """Temperature draws from fp32 logits (what the decode graphs capture) against the torch
+    reference of the same hashed-noise race; bytes: the logits, read once."""
+    rows = []
+    for batch in (1, 64, 256):
+        logits = torch.randn(batch, 50257, device="cuda") * 3
+        temperature = torch.ones(batch, device="cuda")
+        seeds = torch.randint(0, 2 ** 62, (batch,), device="cuda")
+        row = op_row(f"sample B{batch} V50257", 0, lambda: row_sample(logits, temperature, seeds),
+                     lambda: sample_reference(logits, temperature, seeds))
+        row["bytes"] = logits.numel() * logits.element_size()
+        rows.append(row)
+    return rows
+
+
 def op_row(name: str, elements: int, ours, ref) -> dict:
     """ours / ref: zero-argument callables returning the output tensor."""
     return {"name": name, "ms": time_ms(ours), "ref_ms": host_time_ms(ref),
@@ -291,7 +308,7 @@ def main() -> None:
     info = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
             "roofline": measure_roofline(),
             "knobs": {k: getattr(pa, k) for k in dir(pa) if k.startswith(("DECODE_", "PREFILL_"))}}
-    rows = attention_rows() + elementwise_rows() + skinny_rows()
+    rows = attention_rows() + elementwise_rows() + skinny_rows() + sampling_rows()
     rows += sweep_rows() if args.sweep else []
     add_rates(rows, info["roofline"])
     targets = check_targets(rows)

@@ -16,11 +16,14 @@ def test_capture_sizes_cover_every_batch():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_graph_decode_equals_eager(tiny_checkpoint, dtype):
+def test_graph_decode_equals_eager(tiny_checkpoint, dtype, temperature):
+    """Greedy, or drawn at a temperature: the graph's captured draw and the eager sampler
+    hash the same noise from the same seeds."""
     rng = random.Random(0)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 300))] for _ in range(13)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True)
     results = []
     for eager in (True, False):
         llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype=dtype, max_num_seqs=16,
@@ -37,21 +40,31 @@ class _EagerReplay:
         self.graphs, self.size = graphs, size
 
     def replay(self) -> None:
-        logits = self.graphs.forward(self.size)
+        logits, drawn = self.graphs.forward(self.size)
         self.graphs.logits[self.size].copy_(logits)
-        self.graphs.greedy[self.size].copy_(logits.argmax(dim=-1))
+        self.graphs.drawn[self.size].copy_(drawn)
 
 
+GREEDY = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
+# plain draws, seeded and not (the graph's own draw is the answer)
+PLAIN = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True),
+         SamplingParams(temperature=1.3, seed=11, max_tokens=20, ignore_eos=True)]
+# one top-k row sends every step of its batch through the torch sampler
+FILTERED = PLAIN + [SamplingParams(top_k=5, max_tokens=20, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("params", [GREEDY, PLAIN, FILTERED], ids=["greedy", "plain", "top-k"])
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
-                                                  async_scheduling):
+                                                  async_scheduling, params):
     """The graph path's inputs (pinned staging used in turn, changed-row block tables, the
-    token-source gather that fills placeholders) give the eager path's tokens. Graphs are
-    replaced by eager replays, so this runs without CUDA."""
+    token-source gather that fills placeholders, each row's draw temperature and seed) give
+    the eager path's tokens. Graphs are replaced by eager replays, so this runs without
+    CUDA."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
     rng = random.Random(3)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 40))] for _ in range(7)]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    params = [params[i % len(params)] for i in range(len(prompts))]
     results = []
     for with_graphs in (False, True):
         llm = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_num_seqs=4,
@@ -64,7 +77,7 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
             vocab = runner.model.config.vocab_size
             for size in graphs.sizes:
                 graphs.logits[size] = torch.empty(size, vocab)
-                graphs.greedy[size] = torch.empty(size, dtype=torch.int64)
+                graphs.drawn[size] = torch.empty(size, dtype=torch.int64)
                 graphs.graphs[size] = _EagerReplay(graphs, size)
             runner.graphs = graphs
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])

@@ -190,11 +190,12 @@ def test_host_inputs_decode_fast_path_equals_general_path():
 def test_decode_stager_matches_host_inputs_as_the_batch_changes():
     """The graphs' staging writes what prepare_host_inputs computes, row for row, while rows
     shift, sequences gain blocks, one is replaced by another with as many blocks, and the
-    padded size shrinks and grows; padding rows are (0, 0, -1), seq_len 1, block 0."""
+    padded size shrinks and grows; padding rows are (0, 0, -1), seq_len 1, block 0, and
+    draw greedily (temperature 0, seed 0)."""
     from engine.inputs import DecodeStager, prepare_host_inputs
 
     n, width, bs = 4, 8, 16
-    ids64, ids32 = np.full((5, n), 99, np.int64), np.full(n * (1 + width), 99, np.int32)
+    ids64, ids32 = np.full((7, n), 99, np.int64), np.full(n * (1 + width), 99, np.int32)
     stager = DecodeStager(ids64, ids32, width, bs)
     params = SamplingParams()
 
@@ -205,11 +206,15 @@ def test_decode_stager_matches_host_inputs_as_the_batch_changes():
              [seq("a", 16, [4, 7]), seq("b", 41, [1, 2, 3]), seq("c", 3, [9])],
              [seq("b", 42, [1, 2, 3]), seq("c", 4, [9])],  # a finished: rows shift up
              [seq("d", 42, [5, 6, 8]), seq("c", 5, [9])]]  # d: new blocks, same count as b
-    for seqs in steps:
+    for step, seqs in enumerate(steps):
         size = 4 if len(seqs) > 2 else 2
-        stager.write(seqs, size, [-1] * len(seqs))
-        host = prepare_host_inputs(seqs, bs, width)
         b = len(seqs)
+        temperature, seeds = np.linspace(0.5, 1.5, b), np.arange(b) + 1000 * step
+        stager.write(seqs, size, [-1] * b, (temperature, seeds))
+        host = prepare_host_inputs(seqs, bs, width)
+        assert ids64[5, :size].tolist() == seeds.tolist() + [0] * (size - b)
+        assert ids64[6, :size].view(np.float64).tolist() == temperature.tolist() + [0.0] * (
+            size - b)
         assert ids64[1:4, :b].tolist() == [host.token_ids.tolist(), host.positions.tolist(),
                                            host.slot_mapping.tolist()]
         assert ids64[4, :size].tolist() == list(range(n, n + size))  # each row's own token
@@ -221,5 +226,6 @@ def test_decode_stager_matches_host_inputs_as_the_batch_changes():
             assert tables[row, :len(s.block_ids)].tolist() == s.block_ids
         assert (tables[b:size, 0] == 0).all()
     placeholder = ScheduledSequence("c", [PLACEHOLDER_TOKEN], 6, [9], True, params)
-    stager.write([seq("d", 43, [5, 6, 8]), placeholder], 2, [-1, 3])
+    stager.write([seq("d", 43, [5, 6, 8]), placeholder], 2, [-1, 3],
+                 (np.ones(2), np.zeros(2, np.int64)))
     assert ids64[4, :2].tolist() == [n, 3]  # c's token is row 3 of the previous step's samples

@@ -21,7 +21,7 @@ def seq(params: SamplingParams, num_output_tokens: int = 0, prompt: tuple[int, .
 
 
 def run(logits: torch.Tensor, seqs: list[ScheduledSequence], seed: int = 0):
-    return Sampler("cpu", seed)(logits, seqs).to_lists()
+    return Sampler(seed)(logits, seqs).to_lists()
 
 
 def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
@@ -54,6 +54,23 @@ def draw_many(probs: list[float], params: SamplingParams, rows: int = 2000) -> s
     logits = torch.tensor(probs).log().expand(rows, -1).contiguous()
     tokens, _ = run(logits, [seq(params)] * rows)
     return set(tokens)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=2.0),
+                                    SamplingParams(logprobs=0), SamplingParams(seed=5)],
+                         ids=["plain", "hot", "filtered-path", "seeded"])
+def test_draws_follow_the_softmax_at_the_temperature(params):
+    """The hashed Gumbel-max race samples softmax(logits / T), on the plain path and on the
+    full one (logprobs send a batch through every stage). Seeded rows advance their seed
+    with the output position, so rows at different positions are independent draws."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    rows = 4000
+    logits = probs.log().expand(rows, -1).contiguous()
+    seqs = [seq(params, num_output_tokens=row) for row in range(rows)]
+    tokens, _ = run(logits, seqs)
+    expected = torch.softmax(probs.log() / (params.temperature or 1.0), -1)
+    observed = torch.bincount(torch.tensor(tokens), minlength=4) / rows
+    assert torch.allclose(observed, expected, atol=0.025), (observed, expected)
 
 
 def test_min_p_keeps_tokens_above_fraction_of_the_top():
