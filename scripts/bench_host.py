@@ -1,20 +1,24 @@
 """Host cost of LLMEngine.step() at a decode batch, on the CPU: a no-op model runner samples
 instantly, so every millisecond is the engine's own Python. Median ms per phase, for streaming
-and final-only outputs (as LLM.generate uses), with and without async scheduling.
+and final-only outputs (as LLM.generate uses), with and without async scheduling. --offline
+times bench_offline's whole workload instead: the host's share of an offline run.
 
     .venv/bin/python scripts/bench_host.py --batch 256
+    .venv/bin/python scripts/bench_host.py --offline --num-prompts 1000 --budget 4096
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
+from bench_offline import random_prompts
 from profile_decode import host_phases
 
 from engine import LLMEngine, SamplingParams
 from engine.batch import CompletedStep, RunnerOutput, SchedulerOutput
 from engine.config import EngineConfig
-from engine.inputs import DecodeStager, is_decode_step, placeholder_sources
+from engine.inputs import DecodeStager, is_decode_step, placeholder_sources, prepare_host_inputs
 from engine.sampler import Sampler
 
 PHASES = ("schedule", "launch", "update", "outputs", "step_total")
@@ -43,6 +47,8 @@ class NoOpRunner:
         if is_decode_step(seqs):
             self.stager.write(seqs, len(seqs), placeholder_sources(seqs, self._last_rows),
                               draw_inputs)
+        else:  # what an eager step builds on the host before its uploads and launches
+            prepare_host_inputs(seqs, self.stager.block_size, self.stager.tables.shape[1])
         ids = [s.request_id for s in to_sample]
         self._last_rows = dict(zip(ids, range(len(ids))))
         self._steps += 1
@@ -58,11 +64,40 @@ def measure(batch: int, steps: int, output_kind: str, async_scheduling: bool) ->
     return host_phases(engine, batch, params, steps)
 
 
+def offline_host(batch: int, budget: int, num_prompts: int, input_len: int,
+                 output_len: int) -> dict:
+    """bench_offline's workload (random prompts, ignore_eos, final-only outputs) to the end."""
+    config = EngineConfig.from_flat(max_num_seqs=batch, max_num_batched_tokens=budget,
+                                    num_kv_blocks=batch * (1024 // 16), block_size=16)
+    engine = LLMEngine(config, runner=NoOpRunner(config))
+    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind="final_only")
+    for i, prompt in enumerate(random_prompts(num_prompts, input_len, 0, seed=0)):
+        engine.add_request(str(i), prompt, params)
+    steps, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return {"seconds": time.perf_counter() - start, "steps": steps}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--offline", action="store_true")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
     args = parser.parse_args()
+    if args.offline:
+        result = offline_host(args.batch, args.budget, args.num_prompts, args.input_len,
+                              args.output_len)
+        print(f"{args.num_prompts} x ({args.input_len} in, {args.output_len} out), B"
+              f"{args.batch}, budget {args.budget}: {result['seconds']:.3f} s of host work in "
+              f"{result['steps']} steps")
+        return
     print(f"B{args.batch}, median ms of {args.steps} decode steps")
     print(f"{'mode':<18}" + "".join(f"{p:>11}" for p in PHASES))
     for async_scheduling in (True, False):

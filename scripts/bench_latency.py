@@ -3,9 +3,10 @@ compiled plain-PyTorch anchor run in the same job.
 
     python scripts/bench_latency.py --models gpt2,gpt2-xl --anchor .anchor/compiled_decode_anchor.py
 
-ms/token is the median inter-token gap of one request decoding alone (after its first token);
-its floor is the weight bytes over the measured copy bandwidth. TTFT is measured on a fresh
-prompt of --ttft-len tokens (no prefix-cache hit).
+ms/token is the median inter-token gap of one request decoding alone (after its first token),
+greedy and at temperature 1 (a sampled token is drawn inside the decode graph too); its floor
+is the weight bytes over the measured copy bandwidth. TTFT is measured on a fresh prompt of
+--ttft-len tokens (no prefix-cache hit).
 """
 from __future__ import annotations
 
@@ -23,13 +24,16 @@ from bench_utils import BENCH_DIR, checkpoint_for, device_info, model_bytes, wri
 from engine import LLM, SamplingParams
 
 
-def generate_timed(llm: LLM, prompts: list[list[int]], output_len: int):
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def generate_timed(llm: LLM, prompts: list[list[int]], output_len: int,
+                   temperature: float = 0.0):
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def single_stream_ms(llm: LLM, output_len: int, rng: random.Random) -> float:
-    out = generate_timed(llm, [[rng.randrange(50256) for _ in range(128)]], output_len)[0]
+def single_stream_ms(llm: LLM, output_len: int, rng: random.Random,
+                     temperature: float = 0.0) -> float:
+    out = generate_timed(llm, [[rng.randrange(50256) for _ in range(128)]], output_len,
+                         temperature)[0]
     times = out.metrics[0].token_times
     return statistics.median(b - a for a, b in zip(times, times[1:])) * 1e3
 
@@ -62,7 +66,10 @@ def bench_model(name: str, args, copy_bw: float) -> dict:
     weight_bytes, _ = model_bytes(checkpoint)
     floor_ms = weight_bytes / copy_bw * 1e3
     result = {"decode_ms_per_token_b1": ms, "weight_floor_ms": floor_ms,
-              "ratio_to_floor": ms / floor_ms, "ttft_ms": ttft_ms(llm, args.ttft_len, rng),
+              "ratio_to_floor": ms / floor_ms,
+              "decode_ms_per_token_b1_temperature_1": single_stream_ms(llm, args.output_len, rng,
+                                                                       temperature=1.0),
+              "ttft_ms": ttft_ms(llm, args.ttft_len, rng),
               f"decode_tok_per_s_b{args.batch}": batch_decode_tok_s(llm, args.batch,
                                                                    args.output_len, rng)}
     del llm
@@ -111,7 +118,8 @@ def main() -> None:
     write_result("latency", result, out_dir=Path(args.out))
     for name, r in result["models"].items():
         print(f"{name}: {r['decode_ms_per_token_b1']:.3f} ms/token (floor "
-              f"{r['weight_floor_ms']:.3f}, x{r['ratio_to_floor']:.2f}), TTFT {r['ttft_ms']:.2f} ms,"
+              f"{r['weight_floor_ms']:.3f}, x{r['ratio_to_floor']:.2f}; temperature 1: "
+              f"{r['decode_ms_per_token_b1_temperature_1']:.3f}), TTFT {r['ttft_ms']:.2f} ms,"
               f" B{args.batch} {r[f'decode_tok_per_s_b{args.batch}']:.0f} tok/s, vs anchor: "
               f"{ {k: round(v, 2) for k, v in r.items() if 'anchor' in k} }")
 
