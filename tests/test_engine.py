@@ -119,6 +119,25 @@ def test_text_prompts_stop_strings_and_n(tiny_checkpoint):
         assert greedy.text.startswith(cut.text)
 
 
+def test_seeded_request_draws_the_same_tokens_alone_in_a_crowd_and_preempted(
+        tiny_checkpoint, prompts):
+    """Its noise depends on (seed, position) only: neither its batch nor which sampler path
+    drew (the crowd holds top-k rows, which send whole steps through the torch stages), nor
+    recomputation after preemption (a small pool), nor the engine seed changes a token."""
+    seeded = SamplingParams(temperature=1.0, seed=42, max_tokens=MAX_TOKENS, ignore_eos=True)
+    alone = make_llm(tiny_checkpoint).generate([prompts[3]], seeded, use_tqdm=False)
+    crowd = [SamplingParams(top_k=20, max_tokens=MAX_TOKENS, ignore_eos=True),
+             SamplingParams(temperature=0.7, max_tokens=MAX_TOKENS, ignore_eos=True)]
+    llm = make_llm(tiny_checkpoint, num_kv_blocks=80, block_size=4, max_num_batched_tokens=64,
+                   seed=9)
+    batch = [prompts[3]] + prompts[:3] + prompts[4:]
+    params = [seeded] + [crowd[i % 2] for i in range(len(batch) - 1)]
+    together = llm.generate(batch, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert together[0].token_ids == alone[0].token_ids
+    assert len(set(alone[0].token_ids)) > 1
+
+
 def test_bad_requests_are_rejected_and_engine_goes_on(tiny_checkpoint):
     llm = make_llm(tiny_checkpoint)
     engine = llm.engine
