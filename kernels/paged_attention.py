@@ -22,8 +22,18 @@ context is cut into `splits` equal ranges (flash-decoding); each program writes 
     seq s, head h:  | split 0 | split 1 | split 2 |  -> partial (o_i, lse_i) each
                     out = sum_i 2^(lse_i - max lse) o_i / sum_i 2^(lse_i - max lse)
 
-Prefill (many queries per sequence, varlen) is FlashAttention-style: grid (q tile, seq, head);
-a program holds BLOCK_M queries and walks the context with tl.dot. Query j of a sequence sits
+Prefill (many queries per sequence, varlen) is FlashAttention-style: a program holds BLOCK_M
+queries of one sequence and walks the context with tl.dot. The grid is (tile, head), the q
+tiles numbered sequence after sequence; each program finds its (sequence, q tile) from the
+query lengths, so a batch of one long prompt and many one-token decodes launches about
+tokens / BLOCK_M + sequences programs per head, not the longest query's tiles for every
+sequence. The grid depends only on the tensors' shapes, so a CUDA graph can capture it:
+
+    q lens   [130, 1, 1, 70]       BLOCK_M 64
+    tiles    [  3, 1, 1,  2]       programs 0-2: seq 0; 3: seq 1; 4: seq 2; 5-6: seq 3;
+                                   7.. (the grid's bound, ceil(202 / 64) + 4 = 8): exit
+
+Query j of a sequence sits
 at position seq_len - q_len + j (the cached prefix comes first), so the same kernel serves a
 whole prompt, a prefix-cache hit, a chunk from the middle of a prompt and a k+1-token
 speculative verification. Tiles wholly before the q tile's first position skip the causal mask:
@@ -235,19 +245,34 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, hea
 
 
 @triton.jit
+def _find_q_tile(tile, query_start_ptr, num_seqs, BLOCK_M: tl.constexpr,
+                 SEQS_POW2: tl.constexpr):
+    """(sequence, its q tile) of global tile number `tile`; sequence >= num_seqs past the
+    last tile."""
+    seqs = tl.arange(0, SEQS_POW2)
+    real = seqs < num_seqs
+    q_lens = (tl.load(query_start_ptr + seqs + 1, mask=real, other=0)
+              - tl.load(query_start_ptr + seqs, mask=real, other=0))
+    tiles = (q_lens + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, axis=0)  # past each sequence's last tile
+    seq = tl.sum((tiles_end <= tile).to(tl.int32), axis=0)
+    first = tl.sum(tl.where(seqs == seq, tiles_end - tiles, 0), axis=0)
+    return seq, tile - first
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_ptr, out_ptr, qk_scale,
+                    query_start_ptr, out_ptr, qk_scale, num_seqs,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_ch,
                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SEQS_POW2: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)  # before the early return: every program waits
-    q_tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+    head = tl.program_id(1)
+    seq, q_tile = _find_q_tile(tl.program_id(0), query_start_ptr, num_seqs, BLOCK_M, SEQS_POW2)
+    if seq >= num_seqs:
+        return
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_M >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len + q_tile * BLOCK_M  # position of the tile's first query
     offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -281,7 +306,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             scale: float) -> torch.Tensor:
     """q: [T, H, D], the new tokens of all sequences concatenated (query_start_loc [S+1]);
     each attends causally to its sequence's first seq_lens[s] cached tokens (new K/V already
-    stored). max_query_len (a host int) sizes the grid."""
+    stored). Rows of q past query_start_loc[S] (padding) are left unwritten; a sequence may
+    have no new tokens. max_query_len (a host int, an upper bound) picks the q tile size."""
     _check_cache(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -289,14 +315,15 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     # short queries (speculative verification) get a small tile; tl.dot needs M >= 16
     block_m = min(PREFILL_BLOCK_M, max(16, triton.next_power_of_2(max_query_len)))
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, q.shape[1])
+    # each sequence wastes at most one partly filled tile
+    grid = (triton.cdiv(q.shape[0], block_m) + num_seqs, q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
-        BLOCK_N=PREFILL_BLOCK_N, num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
-        **pdl_options(q.device))
+        BLOCK_N=PREFILL_BLOCK_N, SEQS_POW2=triton.next_power_of_2(num_seqs),
+        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, **pdl_options(q.device))
     return out
 
 

@@ -56,7 +56,7 @@ def make_paged_batch(q_lens: list[int], seq_lens: list[int], block_size: int, dt
     block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
     slots, k_new, v_new = [], [], []
     for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
-        table = torch.tensor([ids.pop() for _ in range(blocks_per_seq[i])])
+        table = torch.tensor([ids.pop() for _ in range(blocks_per_seq[i])], dtype=torch.long)
         block_tables[i, :len(table)] = table
         pos = torch.arange(seq_len)
         seq_slots = (table[pos // block_size] * block_size + pos % block_size).to(DEVICE)

@@ -92,3 +92,18 @@ def test_prefill(dtype, block_size, cases):
                                      meta.seq_lens, meta.query_start_loc, meta.max_query_len,
                                      SCALE)
     torch.testing.assert_close(out, _reference(batch), **tol(dtype))
+
+
+@pytest.mark.parametrize("cases", [[(70, 70)], [(1, 40), (130, 130), (1, 9), (0, 0), (0, 0)]],
+                         ids=["one-sequence", "padded"])
+def test_prefill_grid_from_shapes(cases):
+    """One sequence alone; and a batch padded as a captured CUDA graph pads it: sequences with
+    no new tokens and padding token rows after the real ones, which stay unwritten."""
+    q_lens, seq_lens = zip(*cases)
+    batch = make_paged_batch(list(q_lens), list(seq_lens), 16, torch.float32, pad=37)
+    meta = batch.meta
+    out = pa.paged_attention_prefill(batch.q, batch.k_cache, batch.v_cache, meta.block_tables,
+                                     meta.seq_lens, meta.query_start_loc, 1024, SCALE)
+    real = sum(q_lens)
+    torch.testing.assert_close(out[:real], _reference(batch)[:real], **tol(torch.float32))
+    assert torch.isnan(out[real:]).all()  # torch.empty is NaN-poisoned by conftest
