@@ -38,6 +38,8 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda when available
     attention_backend: str = "auto"  # auto: triton on cuda, torch on cpu
     enforce_eager: bool = False  # turn CUDA graphs off
+    # also capture steps with prompt tokens (padded token counts); off: they run eagerly
+    mixed_step_graphs: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

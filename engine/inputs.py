@@ -182,6 +182,63 @@ class DecodeStager:
                 self._rows[row] = PADDING_ROW
 
 
+class MixedStager:
+    """Writes a step with prompt tokens (HostInputs) into the mixed-step graphs' staging
+    arrays, padded to `size` tokens and `rows` sequences (engine.cuda_graphs):
+
+        ids64 [7, n]    as DecodeStager's; token rows padded with (0, 0, -1, own token);
+                        draw rows hold the sampling sequences' seeds and temperatures
+                        (padding: 0, greedy)
+        ids32           query_start_loc [S+1] (padding: T) | seq_lens [S] (padding: 0) |
+                        sample rows [S] (padding: 0) | block tables [S, W]
+
+    (S here is the graphs' max_num_seqs; `layout` gives each segment's range.)"""
+
+    def __init__(self, ids64: np.ndarray, ids32: np.ndarray, max_num_seqs: int,
+                 max_blocks_per_seq: int):
+        self.ids64 = ids64
+        self.temperature = ids64[6].view(np.float64)
+        view = {name: ids32[start:end] for name, (start, end)
+                in self.layout(max_num_seqs, max_blocks_per_seq).items()}
+        self.query_start_loc, self.seq_lens = view["query_start_loc"], view["seq_lens"]
+        self.sample_rows = view["sample_rows"]
+        self.tables = view["tables"].reshape(max_num_seqs, max_blocks_per_seq)
+
+    @staticmethod
+    def layout(max_num_seqs: int, max_blocks_per_seq: int) -> dict[str, tuple[int, int]]:
+        sizes = {"query_start_loc": max_num_seqs + 1, "seq_lens": max_num_seqs,
+                 "sample_rows": max_num_seqs, "tables": max_num_seqs * max_blocks_per_seq}
+        ends = np.cumsum(list(sizes.values())).tolist()
+        return {name: (end - size, end) for (name, size), end in zip(sizes.items(), ends)}
+
+    def write(self, host: HostInputs, sources: list[int],
+              draw_inputs: tuple[np.ndarray, np.ndarray], size: int, rows: int) -> None:
+        """`sources[s]` >= 0: sequence s's one new token is a placeholder, row sources[s] of
+        the previous step's samples (see DecodeStager)."""
+        n = self.ids64.shape[1]
+        tokens, seqs, samples = len(host.token_ids), len(host.seq_lens), len(host.sample_indices)
+        token_ids, positions, slots, token_source = self.ids64[1:5]
+        np.maximum(host.token_ids, 0, out=token_ids[:tokens])  # placeholders come from row 0
+        positions[:tokens] = host.positions
+        slots[:tokens] = host.slot_mapping
+        token_source[:size] = np.arange(n, n + size)
+        sources = np.asarray(sources)
+        placeholders = np.flatnonzero(sources >= 0)
+        token_source[host.query_start_loc[placeholders]] = sources[placeholders]
+        self.ids64[1:4, tokens:size] = ((0,), (0,), (-1,))
+        temperature, seeds = draw_inputs
+        self.ids64[5, :samples] = seeds
+        self.temperature[:samples] = temperature
+        self.ids64[5:, samples:rows] = 0  # float64 0.0 is all zero bits
+        self.query_start_loc[:seqs + 1] = host.query_start_loc
+        self.query_start_loc[seqs + 1:rows + 1] = tokens
+        self.seq_lens[:seqs] = host.seq_lens
+        self.seq_lens[seqs:rows] = 0
+        self.sample_rows[:samples] = host.sample_indices
+        self.sample_rows[samples:rows] = 0
+        self.tables[:seqs] = host.block_tables
+
+
 def upload(array: np.ndarray | list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host array to device without waiting: through pinned memory on CUDA, since a copy from
     pageable memory first waits for all work queued on the device (the step in flight)."""

@@ -7,6 +7,7 @@ come back with one host sync per step.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
 from engine.inputs import (is_decode_step, placeholder_sources, prepare_host_inputs, to_device,
                            upload)
 from engine.layers import TORCH_OPS, Ops
@@ -83,7 +84,9 @@ class ModelRunner:
         self.model = load_gpt2(config.model.model, self.dtype, self.device, ops,
                                get_attention_backend(self.attention_backend))
         self.sampler = Sampler(config.model.seed, self.model.ops.sample)
-        self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists
+        # captured once the KV cache exists
+        self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self._last_sampled: SampledOnDevice | None = None  # feeds the next step's placeholders
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
@@ -93,22 +96,32 @@ class ModelRunner:
                  "%d-token context", self.num_kv_blocks, self.block_size,
                  self.num_kv_blocks * self.kv_block_bytes / 2**30,
                  self.num_kv_blocks / self.max_blocks_per_seq, config.scheduler.max_model_len)
-        self.graphs = self._capture_graphs()
+        if self._uses_graphs:
+            self._capture_graphs()
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
-        """Decode graphs need CUDA and a backend whose launches depend on no host values
-        (the torch reference loops over sequences on the host)."""
-        if (self.device.type != "cuda" or self.config.model.enforce_eager
-                or self.attention_backend != "triton"):
-            return None
-        sched = self.config.scheduler
-        graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
-                              self.max_blocks_per_seq, self.block_size, sched.max_model_len,
-                              self.device)
-        seconds = graphs.capture()
-        log.info("captured %d decode CUDA graphs (batch sizes 1..%d) in %.1f s",
-                 len(graphs.sizes), graphs.max_batch, seconds)
-        return graphs
+    @property
+    def _uses_graphs(self) -> bool:
+        """Graphs need CUDA and a backend whose launches depend on no host values (the torch
+        reference loops over sequences on the host)."""
+        return (self.device.type == "cuda" and not self.config.model.enforce_eager
+                and self.attention_backend == "triton")
+
+    def _capture_graphs(self) -> None:
+        """Mixed-step graphs (the larger) first, then decode graphs, in one memory pool."""
+        sched, start, pool = self.config.scheduler, time.perf_counter(), None
+        if self.config.model.mixed_step_graphs:
+            self.mixed_graphs = MixedGraphs(self.model, self.kv_caches,
+                                            sched.max_num_batched_tokens, sched.max_num_seqs,
+                                            self.max_blocks_per_seq, sched.max_model_len,
+                                            self.device)
+            pool = self.mixed_graphs.capture()
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
+                                   self.max_blocks_per_seq, self.block_size,
+                                   sched.max_model_len, self.device)
+        self.graphs.capture(pool)
+        log.info("captured CUDA graphs in %.1f s: decode for batch sizes %s; mixed steps for "
+                 "token counts %s", time.perf_counter() - start, self.graphs.sizes,
+                 self.mixed_graphs.sizes if self.mixed_graphs else "none (eager)")
 
     @property
     def kv_block_bytes(self) -> int:
@@ -141,21 +154,28 @@ class ModelRunner:
         hold and the peak of a worst-case step (weights + activations + sampling)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
         self._profile_run()
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         held_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
         return (int(total * self.config.cache.gpu_memory_utilization) - held_elsewhere - peak
-                - self._graph_memory_estimate())
+                - self._graph_memory_estimate(peak - weights))
 
-    def _graph_memory_estimate(self) -> int:
-        """Graphs are captured after the cache is allocated, so their pool is set aside
-        up front: the float32 logits of the largest batch twice over, plus activations."""
-        if self.device.type != "cuda" or self.config.model.enforce_eager:
+    def _graph_memory_estimate(self, step_bytes: int) -> int:
+        """Graphs are captured after the cache is allocated, so their pool is set aside up
+        front: the float32 logits that every captured size keeps (its outputs live between
+        replays), plus the largest step's working memory (`step_bytes`, what the profiled
+        worst-case step took above the weights), plus a margin."""
+        if not self._uses_graphs:
             return 0
-        logits = self.config.scheduler.max_num_seqs * self.model.config.vocab_size * 4
-        return 2 * logits + (256 << 20)
+        sched = self.config.scheduler
+        rows = sum(capture_sizes(sched.max_num_seqs))
+        if self.config.model.mixed_step_graphs:
+            rows += sum(min(size, sched.max_num_seqs)
+                        for size in mixed_capture_sizes(sched.max_num_batched_tokens))
+        return rows * self.model.config.vocab_size * 4 + step_bytes + (256 << 20)
 
     def _profile_run(self) -> None:
         """One step with the full token budget over as many sequences as may run at once, each
@@ -217,6 +237,8 @@ class ModelRunner:
                 and is_decode_step(seqs)):
             return self.graphs.run(seqs, sources, self._last_sampled, draw_inputs)
         host = prepare_host_inputs(seqs, self.block_size, self.max_blocks_per_seq)
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(host):
+            return self.mixed_graphs.run(host, sources, self._last_sampled, draw_inputs)
         step = to_device(host, self.device)
         if any(src >= 0 for src in sources):
             rows = [i for i, src in enumerate(sources) if src >= 0]

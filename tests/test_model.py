@@ -229,3 +229,38 @@ def test_decode_stager_matches_host_inputs_as_the_batch_changes():
     stager.write([seq("d", 43, [5, 6, 8]), placeholder], 2, [-1, 3],
                  (np.ones(2), np.zeros(2, np.int64)))
     assert ids64[4, :2].tolist() == [n, 3]  # c's token is row 3 of the previous step's samples
+
+
+def test_mixed_stager_pads_tokens_and_sequences():
+    """A step with a prompt chunk and decodes (one a placeholder) staged for the mixed-step
+    graph of 16 tokens and 6 sequence rows: real rows as prepare_host_inputs computes them;
+    padding tokens (0, 0, slot -1, own token), padding sequences with no new tokens (query
+    start at the real end, seq_len 0), padding sample rows greedy."""
+    from engine.inputs import MixedStager, prepare_host_inputs
+
+    n, max_seqs, width, bs = 32, 6, 8, 16
+    layout = MixedStager.layout(max_seqs, width)
+    ids64, ids32 = np.full((7, n), 99, np.int64), np.full(layout["tables"][1], 99, np.int32)
+    stager = MixedStager(ids64, ids32, max_seqs, width)
+    params = SamplingParams()
+    seqs = [ScheduledSequence("a", [5, 6, 7, 8, 9], 0, (3,), True, params),
+            ScheduledSequence("b", [PLACEHOLDER_TOKEN], 20, (1, 2), True, params),
+            ScheduledSequence("c", [11, 12], 4, (4,), False, params),
+            ScheduledSequence("d", [13], 30, (6, 7), True, params)]
+    host = prepare_host_inputs(seqs, bs, width)
+    temperature, seeds = np.array([0.5, 1.0, 0.0]), np.array([7, 8, 9])
+    stager.write(host, [-1, 4, -1, -1], (temperature, seeds), 16, 6)
+    t, s = len(host.token_ids), len(seqs)
+    assert ids64[1, :t].tolist() == [5, 6, 7, 8, 9, 0, 11, 12, 13]
+    assert ids64[2:4, :t].tolist() == [host.positions.tolist(), host.slot_mapping.tolist()]
+    assert ids64[1:4, t:16].T.tolist() == [[0, 0, -1]] * (16 - t)
+    expected_source = list(range(n, n + 16))
+    expected_source[5] = 4  # b's token: row 4 of the previous step's samples
+    assert ids64[4, :16].tolist() == expected_source
+    assert ids64[5, :6].tolist() == [7, 8, 9, 0, 0, 0]
+    assert ids64[6, :6].view(np.float64).tolist() == [0.5, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert stager.query_start_loc[:7].tolist() == host.query_start_loc.tolist() + [t] * 2
+    assert stager.seq_lens[:6].tolist() == host.seq_lens.tolist() + [0, 0]
+    assert stager.sample_rows[:6].tolist() == host.sample_indices.tolist() + [0] * 3
+    assert stager.tables[:s].tolist() == host.block_tables.tolist()
+
