@@ -1,7 +1,8 @@
 """CUDA graphs for whole steps: the forward pass, the logits and each row's draw, captured
 once per padded size and replayed, so a step costs one graph launch instead of ~10 kernel
-launches per layer from Python (on the GPU node's host, Python launching cost more than a
-512-token gpt2 prefill's GPU time: TTFT 10.4 ms, most of it ~0.8 ms per layer of launches).
+launches per layer from Python. (Eager steps were bound by those launches: on an H100 a
+512-token prompt's TTFT was 10.4 ms for gpt2 and 36.8 ms for gpt2-xl, ~0.8 ms per layer in
+both, though gpt2-xl's layers do 12x the work; docs/benchmarks/h100/s4/latency.log.)
 
 Two sets share one memory pool:
 
