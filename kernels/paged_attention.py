@@ -315,14 +315,15 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     # short queries (speculative verification) get a small tile; tl.dot needs M >= 16
     block_m = min(PREFILL_BLOCK_M, max(16, triton.next_power_of_2(max_query_len)))
-    # each sequence wastes at most one partly filled tile
+    # each sequence wastes at most one partly filled tile; the tile search's width is at
+    # least 16, so batches of up to 16 sequences share one compiled variant
     grid = (triton.cdiv(q.shape[0], block_m) + num_seqs, q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E,
         num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
-        BLOCK_N=PREFILL_BLOCK_N, SEQS_POW2=triton.next_power_of_2(num_seqs),
+        BLOCK_N=PREFILL_BLOCK_N, SEQS_POW2=max(16, triton.next_power_of_2(num_seqs)),
         num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, **pdl_options(q.device))
     return out
 
