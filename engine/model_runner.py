@@ -85,7 +85,7 @@ class ModelRunner:
                                get_attention_backend(self.attention_backend))
         self.sampler = Sampler(config.model.seed, self.model.ops.sample)
         # captured once the KV cache exists
-        self.graphs: DecodeGraphs | None = None
+        self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self._last_sampled: SampledOnDevice | None = None  # feeds the next step's placeholders
         self.block_size = config.cache.block_size
@@ -115,12 +115,12 @@ class ModelRunner:
                                             self.max_blocks_per_seq, sched.max_model_len,
                                             self.device)
             pool = self.mixed_graphs.capture()
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
                                    self.max_blocks_per_seq, self.block_size,
                                    sched.max_model_len, self.device)
-        self.graphs.capture(pool)
+        self.decode_graphs.capture(pool)
         log.info("captured CUDA graphs in %.1f s: decode for batch sizes %s; mixed steps for "
-                 "token counts %s", time.perf_counter() - start, self.graphs.sizes,
+                 "token counts %s", time.perf_counter() - start, self.decode_graphs.sizes,
                  self.mixed_graphs.sizes if self.mixed_graphs else "none (eager)")
 
     @property
@@ -223,19 +223,21 @@ class ModelRunner:
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the forward (writing KV) and return float32 logits [num sample=True seqs, vocab]
         at each sampling sequence's last token. Exposed for tests and scoring."""
+        to_sample = [s for s in out.sequences if s.sample]
         with torch.inference_mode():
-            return self._forward(out, self.sampler.draw_inputs(out.sequences))[0]
+            return self._forward(out, self.sampler.draw_inputs(to_sample))[0]
 
     def _forward(self, out: SchedulerOutput,
                  draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits of the sampling rows, plus each one's draw when a decode graph made it."""
+        """Logits of the sampling rows (`draw_inputs` are theirs), plus each one's draw when
+        a graph made it."""
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, device=self.device), None
         seqs = out.sequences
         sources = placeholder_sources(seqs, self._last_sampled and self._last_sampled.rows)
-        if (self.graphs is not None and len(seqs) <= self.graphs.max_batch
+        if (self.decode_graphs is not None and len(seqs) <= self.decode_graphs.max_batch
                 and is_decode_step(seqs)):
-            return self.graphs.run(seqs, sources, self._last_sampled, draw_inputs)
+            return self.decode_graphs.run(seqs, sources, self._last_sampled, draw_inputs)
         host = prepare_host_inputs(seqs, self.block_size, self.max_blocks_per_seq)
         if self.mixed_graphs is not None and self.mixed_graphs.fits(host):
             return self.mixed_graphs.run(host, sources, self._last_sampled, draw_inputs)

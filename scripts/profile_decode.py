@@ -19,7 +19,7 @@ from engine import LLM, LLMEngine, SamplingParams
 
 
 def replay_ms(runner, batch: int, repeats: int = 200) -> float:
-    graphs = runner.graphs
+    graphs = runner.decode_graphs
     size = next(s for s in graphs.sizes if s >= batch)
     graph = graphs.graphs[size]
     for _ in range(10):
@@ -90,7 +90,7 @@ def graph_kernels(runner, batch: int) -> dict:
     under the profiler (the same calls the capture recorded, the draw included). Returns their
     count, their summed GPU time (the graph's replay time minus this is launch gaps) and the
     kernels taking the most of it."""
-    graphs = runner.graphs
+    graphs = runner.decode_graphs
     size = next(s for s in graphs.sizes if s >= batch)
     torch.cuda.synchronize()
     with torch.inference_mode(), torch.profiler.profile(

@@ -28,7 +28,7 @@ def test_graph_decode_equals_eager(tiny_checkpoint, dtype, temperature):
     for eager in (True, False):
         llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype=dtype, max_num_seqs=16,
                   enforce_eager=eager, num_kv_blocks=512)
-        assert (llm.engine.runner.graphs is None) == eager
+        assert (llm.engine.runner.decode_graphs is None) == eager
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert results[0] == results[1]
 
@@ -94,7 +94,7 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                                 runner.max_blocks_per_seq, 1024, torch.device("cpu"))
             replay_eagerly(decode, lambda size: size)
             replay_eagerly(mixed, mixed.rows)
-            runner.graphs, runner.mixed_graphs = decode, mixed
+            runner.decode_graphs, runner.mixed_graphs = decode, mixed
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if with_graphs:
             assert decode._steps_staged > 20  # decode steps went through the staging
