@@ -165,7 +165,7 @@ class ModelRunner:
 
     def _graph_memory_estimate(self, step_bytes: int) -> int:
         """Graphs are captured after the cache is allocated, so their pool is set aside up
-        front: the float32 logits that every captured size keeps (its outputs live between
+        front: the logits that every captured size keeps (its outputs live between
         replays), plus the largest step's working memory (`step_bytes`, what the profiled
         worst-case step took above the weights), plus a margin."""
         if not self._uses_graphs:
@@ -175,7 +175,8 @@ class ModelRunner:
         if self.config.model.mixed_step_graphs:
             rows += sum(min(size, sched.max_num_seqs)
                         for size in mixed_capture_sizes(sched.max_num_batched_tokens))
-        return rows * self.model.config.vocab_size * 4 + step_bytes + (256 << 20)
+        logits_row = self.model.config.padded_vocab_size * self.dtype.itemsize
+        return rows * logits_row + step_bytes + (256 << 20)
 
     def _profile_run(self) -> None:
         """One step with the full token budget over as many sequences as may run at once, each
@@ -225,12 +226,12 @@ class ModelRunner:
         at each sampling sequence's last token. Exposed for tests and scoring."""
         to_sample = [s for s in out.sequences if s.sample]
         with torch.inference_mode():
-            return self._forward(out, self.sampler.draw_inputs(to_sample))[0]
+            return self._forward(out, self.sampler.draw_inputs(to_sample))[0].float()
 
     def _forward(self, out: SchedulerOutput,
                  draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits of the sampling rows (`draw_inputs` are theirs), plus each one's draw when
-        a graph made it."""
+        """Logits of the sampling rows (`draw_inputs` are theirs; from a graph in the model's
+        dtype, else float32), plus each one's draw when a graph made it."""
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, device=self.device), None
         seqs = out.sequences

@@ -107,7 +107,7 @@ class Sampler:
         if is_plain_draw(seqs):
             return SamplerOutput(self.draw(logits, upload(temperature, torch.float32,
                                                           logits.device), seeds), [], [])
-        logits = sanitize(logits)
+        logits = sanitize(logits.float())
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], -1) if logprob_rows else None
         logits = apply_logit_bias(logits, seqs)

@@ -146,10 +146,14 @@ class GPT2(nn.Module):
         ln_f = self.ln_f
         return self.ops.add_layer_norm(hidden, residual, ln_f.weight, ln_f.bias, ln_f.eps)[0]
 
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, n_embd] -> logits [N, vocab] in the model's dtype through the tied embedding:
+        a view that drops the padding columns, its rows still aligned."""
+        return F.linear(hidden, self.wte.weight)[:, :self.config.vocab_size]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, n_embd] -> float32 logits [N, vocab] through the tied embedding (its padding
-        rows computed, then dropped)."""
-        return F.linear(hidden, self.wte.weight)[:, :self.config.vocab_size].float()
+        """[N, n_embd] -> float32 logits [N, vocab], contiguous."""
+        return self.lm_head(hidden).float()
 
 
 def load_gpt2(model: str, dtype: torch.dtype, device: torch.device | str, ops: Ops,
