@@ -59,7 +59,8 @@ def batch_decode_tok_s(llm: LLM, batch: int, output_len: int, rng: random.Random
 
 def bench_model(name: str, args, copy_bw: float) -> dict:
     checkpoint = checkpoint_for(name)
-    llm = LLM(model=checkpoint, device="cuda", dtype="float16", max_num_seqs=args.batch)
+    llm = LLM(model=checkpoint, device="cuda", dtype="float16", max_num_seqs=args.batch,
+              mixed_step_graphs=not args.no_mixed_step_graphs)
     rng = random.Random(0)
     generate_timed(llm, [[1] * 64] * 4, 16)  # warm-up
     ms = single_stream_ms(llm, args.output_len, rng)
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--ttft-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--anchor", help="path to compiled_decode_anchor.py, run in this job")
+    parser.add_argument("--no-mixed-step-graphs", action="store_true",
+                        help="run steps with prompt tokens eagerly (TTFT's prefill among them)")
     parser.add_argument("--out", default=str(BENCH_DIR))
     args = parser.parse_args()
     info = device_info()

@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--sweep", default="1,8,32,64,128,256")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="wait for each step before scheduling the next")
+    parser.add_argument("--no-mixed-step-graphs", action="store_true",
+                        help="run steps with prompt tokens eagerly (CUDA graphs for decode only)")
     parser.add_argument("--out", default=str(BENCH_DIR))
     args = parser.parse_args()
 
@@ -114,7 +116,8 @@ def main() -> None:
     info["matmul_flop_per_s"] = matmul_rate()
     llm = LLM(model=checkpoint, device="cuda", dtype="float16", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              async_scheduling=not args.no_async_scheduling)
+              async_scheduling=not args.no_async_scheduling,
+              mixed_step_graphs=not args.no_mixed_step_graphs)
     run_engine(llm, random_prompts(16, 64, 0, seed=99), 8)  # warm-up
     prompts = random_prompts(args.num_prompts, args.input_len, args.prefix_len, seed=0)
     ours = run_engine(llm, prompts, args.output_len)
