@@ -9,10 +9,10 @@ The draw is a Gumbel-max race (`engine.layers.sample`, `kernels.sampling` on CUD
 argmax of logits / T plus Gumbel noise hashed from the row's seed and the token id, or the
 plain argmax for greedy rows. A seeded request's seed for a token is (seed, tokens generated
 so far), so its tokens depend neither on its batch nor on preemption, nor on which path drew
-them; unseeded rows take fresh seeds from the sampler's generator. When every row of a decode
-step is plain, the CUDA graph's own draw is the answer and nothing here runs. Per-row
-parameters reach the device through pinned memory (`engine.inputs.upload`), so sampling
-never waits for the step still running before it.
+them; unseeded rows take fresh seeds from the sampler's generator. When every row of a step
+that ran as a CUDA graph is plain, the graph's own draw is the answer and nothing here runs.
+Per-row parameters reach the device through pinned memory (`engine.inputs.upload`), so
+sampling never waits for the step still running before it.
 """
 from __future__ import annotations
 

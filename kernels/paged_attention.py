@@ -33,10 +33,10 @@ sequence. The grid depends only on the tensors' shapes, so a CUDA graph can capt
     tiles    [  3, 1, 1,  2]       programs 0-2: seq 0; 3: seq 1; 4: seq 2; 5-6: seq 3;
                                    7.. (the grid's bound, ceil(202 / 64) + 4 = 8): exit
 
-Query j of a sequence sits
-at position seq_len - q_len + j (the cached prefix comes first), so the same kernel serves a
-whole prompt, a prefix-cache hit, a chunk from the middle of a prompt and a k+1-token
-speculative verification. Tiles wholly before the q tile's first position skip the causal mask:
+Query j of a sequence sits at position seq_len - q_len + j (the cached prefix comes first), so
+the same kernel serves a whole prompt, a prefix-cache hit, a chunk from the middle of a prompt
+and a k+1-token speculative verification. Tiles wholly before the q tile's first position skip
+the causal mask:
 
     keys ->     0 ............ prefix ........ seq_len
     q tile      [ unmasked tiles  ][ masked (diagonal) ]   stop at the tile's last query + 1
