@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU-node job: kernel and graph tests at full size, then benchmarks, results under $OUT.
 #   OUT=/tmp/out bash scripts/gpu_bench.sh tests latency offline kernels profile
-# Env knobs: MODELS (latency, profile), NUM_PROMPTS and OFFLINE_ARGS (offline), PROFILE_BATCH;
+# Env knobs: MODELS (latency, profile), LATENCY_ARGS, NUM_PROMPTS and OFFLINE_ARGS (offline),
+# PROFILE_BATCH (e.g. LATENCY_ARGS=--no-mixed-step-graphs for the eager-prefill side of an A/B);
 # GPT2_SERVE_PDL=0 launches the Triton kernels without programmatic dependent launch.
 # The node has torch/triton/transformers but no network: wheels it lacks travel in .whl/ and the
 # plain-PyTorch anchor in .anchor/ (copied from ../shared/anchors/).
@@ -19,7 +20,7 @@ for stage in "$@"; do
     echo "=== $stage ==="
     case $stage in
         tests) python3 -m pytest tests/kernels tests/test_cuda_graphs.py -q -x 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-        latency) python3 scripts/bench_latency.py --models "${MODELS:-gpt2,gpt2-xl}" --anchor .anchor/compiled_decode_anchor.py --out "$OUT" 2>&1 | tee "$OUT/latency.log" | grep -v "it/s" ;;
+        latency) python3 scripts/bench_latency.py --models "${MODELS:-gpt2,gpt2-xl}" --anchor .anchor/compiled_decode_anchor.py --out "$OUT" ${LATENCY_ARGS:-} 2>&1 | tee "$OUT/latency.log" | grep -v "it/s" ;;
         offline) python3 scripts/bench_offline.py --model gpt2 --num-prompts "${NUM_PROMPTS:-1000}" --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tee "$OUT/offline.log" | grep -v "it/s\]" ;;
         profile) for m in ${MODELS:-gpt2 gpt2-xl}; do python3 scripts/profile_decode.py --model "$m" --batch "${PROFILE_BATCH:-1,64}" 2>&1 | grep -v "it/s"; done | tee "$OUT/profile.log" ;;
         kernels) python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
