@@ -195,10 +195,8 @@ class MixedGraphs(_GraphSet):
                                                           max_blocks_per_seq))
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = max_blocks_per_seq
-        view = {name: self._ids32[start:end] for name, (start, end) in layout.items()}
-        self.query_start_loc, self.seq_lens = view["query_start_loc"], view["seq_lens"]
-        self.sample_rows = view["sample_rows"]
-        self.block_tables = view["tables"].view(max_num_seqs, max_blocks_per_seq)
+        (self.query_start_loc, self.seq_lens, self.sample_rows,
+         self.block_tables) = MixedStager.segments(self._ids32, max_num_seqs, max_blocks_per_seq)
         self._ids32_base = layout["tables"][0]
 
     def rows(self, size: int) -> int:

@@ -198,18 +198,24 @@ class MixedStager:
                  max_blocks_per_seq: int):
         self.ids64 = ids64
         self.temperature = ids64[6].view(np.float64)
-        view = {name: ids32[start:end] for name, (start, end)
-                in self.layout(max_num_seqs, max_blocks_per_seq).items()}
-        self.query_start_loc, self.seq_lens = view["query_start_loc"], view["seq_lens"]
-        self.sample_rows = view["sample_rows"]
-        self.tables = view["tables"].reshape(max_num_seqs, max_blocks_per_seq)
+        (self.query_start_loc, self.seq_lens, self.sample_rows,
+         self.tables) = self.segments(ids32, max_num_seqs, max_blocks_per_seq)
 
     @staticmethod
     def layout(max_num_seqs: int, max_blocks_per_seq: int) -> dict[str, tuple[int, int]]:
+        """Each ids32 segment's (start, end)."""
         sizes = {"query_start_loc": max_num_seqs + 1, "seq_lens": max_num_seqs,
                  "sample_rows": max_num_seqs, "tables": max_num_seqs * max_blocks_per_seq}
         ends = np.cumsum(list(sizes.values())).tolist()
         return {name: (end - size, end) for (name, size), end in zip(sizes.items(), ends)}
+
+    @classmethod
+    def segments(cls, ids32, max_num_seqs: int, max_blocks_per_seq: int) -> tuple:
+        """Views of ids32 (a numpy array here, the graphs' device tensor there): query start
+        locations, seq_lens, sample rows, block tables [max_num_seqs, W]."""
+        (q, s, r, t) = (ids32[start:end] for start, end
+                        in cls.layout(max_num_seqs, max_blocks_per_seq).values())
+        return q, s, r, t.reshape(max_num_seqs, max_blocks_per_seq)
 
     def write(self, host: HostInputs, sources: list[int],
               draw_inputs: tuple[np.ndarray, np.ndarray], size: int, rows: int) -> None:
