@@ -16,14 +16,17 @@ def test_capture_sizes_cover_every_batch():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8),
+                                    dict(temperature=0.8, top_k=40)],
+                         ids=["greedy", "temperature", "top-k"])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_graph_decode_equals_eager(tiny_checkpoint, dtype, temperature):
-    """Greedy, or drawn at a temperature: the graph's captured draw and the eager sampler
-    hash the same noise from the same seeds."""
+def test_graph_decode_equals_eager(tiny_checkpoint, dtype, params):
+    """Greedy, drawn at a temperature (the graph's captured draw and the eager sampler hash
+    the same noise from the same seeds), or with top-k (the torch sampler on the graph's
+    model-dtype logits, widened)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 300))] for _ in range(13)]
-    params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, **params)
     results = []
     for eager in (True, False):
         llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype=dtype, max_num_seqs=16,
