@@ -18,24 +18,32 @@ from profile_decode import host_phases
 from engine import LLMEngine, SamplingParams
 from engine.batch import CompletedStep, RunnerOutput, SchedulerOutput
 from engine.config import EngineConfig
-from engine.inputs import DecodeStager, is_decode_step, placeholder_sources, prepare_host_inputs
+from engine.cuda_graphs import mixed_capture_sizes
+from engine.inputs import (DecodeStager, MixedStager, is_decode_step, placeholder_sources,
+                           prepare_host_inputs)
 from engine.sampler import Sampler
 
 PHASES = ("schedule", "launch", "update", "outputs", "step_total")
 
 
 class NoOpRunner:
-    """Launch does the real runner's host work for a decode step (placeholder sources, draw
-    seeds, staging into host arrays shaped like the CUDA graphs' pinned buffers) and samples
-    at once: a token
-    that changes with the step and the row, so detokenization sees varied text."""
+    """Launch does the real runner's host work for a step (placeholder sources, draw seeds,
+    the step's host inputs staged into arrays shaped like the CUDA graphs' pinned buffers)
+    and samples at once: a token that changes with the step and the row, so detokenization
+    sees varied text."""
 
     def __init__(self, config: EngineConfig):
-        n, block_size = config.scheduler.max_num_seqs, config.cache.block_size
-        width = -(-config.scheduler.max_model_len // block_size)
+        sched, block_size = config.scheduler, config.cache.block_size
+        n, width = sched.max_num_seqs, -(-sched.max_model_len // block_size)
         self.num_kv_blocks = config.cache.num_kv_blocks
-        self.stager = DecodeStager(np.zeros((7, n), np.int64),
-                                   np.zeros(n * (1 + width), np.int32), width, block_size)
+        self.block_size, self.width = block_size, width
+        self.decode_stager = DecodeStager(np.zeros((7, n), np.int64),
+                                          np.zeros(n * (1 + width), np.int32), width,
+                                          block_size)
+        self.mixed_sizes = mixed_capture_sizes(sched.max_num_batched_tokens)
+        self.mixed_stager = MixedStager(
+            np.zeros((7, self.mixed_sizes[-1]), np.int64),
+            np.zeros(MixedStager.layout(n, width)["tables"][1], np.int32), n, width)
         self.sampler = Sampler(config.model.seed)
         self._last_rows: dict[str, int] | None = None
         self._steps = 0
@@ -44,11 +52,14 @@ class NoOpRunner:
         seqs = out.sequences
         to_sample = [s for s in seqs if s.sample]
         draw_inputs = self.sampler.draw_inputs(to_sample)
+        sources = placeholder_sources(seqs, self._last_rows)
         if is_decode_step(seqs):
-            self.stager.write(seqs, len(seqs), placeholder_sources(seqs, self._last_rows),
-                              draw_inputs)
-        else:  # what an eager step builds on the host before its uploads and launches
-            prepare_host_inputs(seqs, self.stager.block_size, self.stager.tables.shape[1])
+            self.decode_stager.write(seqs, len(seqs), sources, draw_inputs)
+        else:
+            host = prepare_host_inputs(seqs, self.block_size, self.width)
+            size = next(s for s in self.mixed_sizes if s >= len(host.token_ids))
+            self.mixed_stager.write(host, sources, draw_inputs, size,
+                                    min(size, self.decode_stager.seq_lens.shape[0]))
         ids = [s.request_id for s in to_sample]
         self._last_rows = dict(zip(ids, range(len(ids))))
         self._steps += 1
