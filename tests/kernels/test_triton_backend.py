@@ -9,6 +9,8 @@ BATCHES = {
     # a prefill chunk after a cached prefix, a fresh prompt, decodes, then 3 padding tokens
     "mixed": ([20, 9, 1, 1, 1], [57, 9, 100, 1, 333], 3),
     "decode": ([1] * 5, [17, 1, 64, 65, 500], 0),
+    # as a mixed-step CUDA graph pads a step: sequences with no new tokens, padding tokens
+    "graph-padded": ([20, 1, 1, 0, 0], [57, 100, 1, 0, 0], 8),
 }
 
 
