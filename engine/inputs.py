@@ -141,7 +141,6 @@ class DecodeStager:
     def __init__(self, ids64: np.ndarray, ids32: np.ndarray, max_blocks_per_seq: int,
                  block_size: int):
         self.ids64, self.block_size = ids64, block_size
-        self.temperature = ids64[6].view(np.float64)
         n = ids64.shape[1]
         self.seq_lens = ids32[:n]
         self.tables = ids32[n:].reshape(n, max_blocks_per_seq)
@@ -161,12 +160,9 @@ class DecodeStager:
         slots[:] = self.tables[rows, positions // bs] * bs + positions % bs
         token_source[:] = sources
         np.copyto(token_source, rows + n, where=token_source < 0)
-        temperature, seeds = draw_inputs
-        self.ids64[5, :batch] = seeds
-        self.temperature[:batch] = temperature
         self.ids64[1:4, batch:size] = ((0,), (0,), (-1,))
         self.ids64[4, batch:size] = range(n + batch, n + size)
-        self.ids64[5:, batch:size] = 0  # float64 0.0 is all zero bits
+        stage_draw_inputs(self.ids64, draw_inputs, size)
         self.seq_lens[:batch] = positions + 1
         self.seq_lens[batch:size] = 1
 
@@ -197,7 +193,6 @@ class MixedStager:
     def __init__(self, ids64: np.ndarray, ids32: np.ndarray, max_num_seqs: int,
                  max_blocks_per_seq: int):
         self.ids64 = ids64
-        self.temperature = ids64[6].view(np.float64)
         (self.query_start_loc, self.seq_lens, self.sample_rows,
          self.tables) = self.segments(ids32, max_num_seqs, max_blocks_per_seq)
 
@@ -232,10 +227,7 @@ class MixedStager:
         placeholders = np.flatnonzero(sources >= 0)
         token_source[host.query_start_loc[placeholders]] = sources[placeholders]
         self.ids64[1:4, tokens:size] = ((0,), (0,), (-1,))
-        temperature, seeds = draw_inputs
-        self.ids64[5, :samples] = seeds
-        self.temperature[:samples] = temperature
-        self.ids64[5:, samples:rows] = 0  # float64 0.0 is all zero bits
+        stage_draw_inputs(self.ids64, draw_inputs, rows)
         self.query_start_loc[:seqs + 1] = host.query_start_loc
         self.query_start_loc[seqs + 1:rows + 1] = tokens
         self.seq_lens[:seqs] = host.seq_lens
@@ -243,6 +235,18 @@ class MixedStager:
         self.sample_rows[:samples] = host.sample_indices
         self.sample_rows[samples:rows] = 0
         self.tables[:seqs] = host.block_tables
+
+
+def stage_draw_inputs(ids64: np.ndarray, draw_inputs: tuple[np.ndarray, np.ndarray],
+                      rows: int) -> None:
+    """Rows 5-6 of a graph's int64 staging: each sampling row's seed and temperature
+    (float64 bits), then greedy padding (all zero bits: seed 0, temperature 0.0) up to
+    `rows`."""
+    temperature, seeds = draw_inputs
+    samples = len(seeds)
+    ids64[5, :samples] = seeds
+    ids64[6, :samples].view(np.float64)[:] = temperature
+    ids64[5:, samples:rows] = 0
 
 
 def upload(array: np.ndarray | list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
