@@ -1,7 +1,7 @@
 """gpt2-serve engine: `from engine import LLM, SamplingParams`."""
 from engine.llm import LLM, EngineStats, LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import SamplingParams
+from engine.output.outputs import CompletionOutput, RequestOutput
+from engine.core.request import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineStats", "SamplingParams", "RequestOutput",
            "CompletionOutput"]

@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, load_config
-from engine.detokenize import TextStream
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler
-from engine.tokenizer import Tokenizer
+from engine.core.block_manager import BlockManager
+from engine.core.config import EngineConfig, load_config
+from engine.output.detokenize import TextStream
+from engine.output.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.output.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class LLMEngine:
         """`runner` defaults to a ModelRunner for the config; tests pass a fake with the same
         `num_kv_blocks` and `launch(SchedulerOutput) -> pending with .wait()`."""
         if runner is None:
-            from engine.model_runner import ModelRunner  # torch lives behind this import
+            from engine.worker.model_runner import ModelRunner  # torch lives behind this import
 
             runner = ModelRunner(config)
         self.config = config

@@ -1,6 +1,6 @@
 """Triton kernels for the GPU path. Each module keeps (or names) its plain-PyTorch reference;
 tests/kernels compares every kernel with it, and scripts/bench_kernels.py times them."""
-from engine.layers import Ops
+from engine.worker.layers import Ops
 from kernels.layernorm import add_layer_norm, layer_norm
 from kernels.linear import LinearDispatch, SkinnyWins
 from kernels.sampling import row_sample

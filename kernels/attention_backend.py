@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.worker.attention import AttentionMetadata
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from kernels.store_kv import store_kv
 

@@ -6,7 +6,7 @@ it on chip for the mean, the variance and the normalization, and writes once: th
 pure memory traffic and is judged against copy bandwidth. Statistics are fp32 whatever the
 input dtype. The fused variant also writes the new residual stream `x + residual`, rounded to
 the input dtype first so the normalized output matches the unfused reference bit-for-bit in
-what it normalizes. References: `engine.layers.layer_norm` / `add_layer_norm`.
+what it normalizes. References: `engine.worker.layers.layer_norm` / `add_layer_norm`.
 """
 from __future__ import annotations
 

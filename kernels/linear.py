@@ -5,7 +5,7 @@ running GPU at startup, never by guess.
 At decode batch sizes a linear layer is a pass over its weights, where cuBLAS leaves much of
 the copy bandwidth unused; the skinny kernel also fuses bias and GELU, and for the block's
 pre-norm linears (QKV, FC) the residual add and LayerNorm before them, into one launch.
-References: `engine.layers.linear` and `engine.layers.add_norm_linear`.
+References: `engine.worker.layers.linear` and `engine.worker.layers.add_norm_linear`.
 """
 from __future__ import annotations
 

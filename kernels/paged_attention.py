@@ -41,7 +41,7 @@ the causal mask:
     keys ->     0 ............ prefix ........ seq_len
     q tile      [ unmasked tiles  ][ masked (diagonal) ]   stop at the tile's last query + 1
 
-The torch reference is `engine.attention.paged_attention_reference`.
+The torch reference is `engine.worker.attention.paged_attention_reference`.
 """
 from __future__ import annotations
 

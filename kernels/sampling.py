@@ -12,7 +12,7 @@ logits. Here each row is cut into CHUNK-wide pieces:
                                                      index on ties
 
 As torch.argmax: the first index of the maximum, NaN counts as the largest value (a row
-holding both NaN and +inf may give the first of either). Reference: `engine.layers.sample`,
+holding both NaN and +inf may give the first of either). Reference: `engine.worker.layers.sample`,
 whose hash this kernel computes bit for bit.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers import HASH_MULTIPLIERS
+from engine.worker.layers import HASH_MULTIPLIERS
 from kernels.arrival_counters import arrive_last, counters_for, reset_counter
 from kernels.pdl import pdl_options, pdl_prologue
 
@@ -33,7 +33,7 @@ MULTIPLIER_1 = tl.constexpr(HASH_MULTIPLIERS[1])
 
 @triton.jit
 def _mix32(x):
-    """lowbias32 on uint32 (wrapping multiplies, logical shifts): engine.layers._mix32."""
+    """lowbias32 on uint32 (wrapping multiplies, logical shifts): engine.worker.layers._mix32."""
     x = x ^ (x >> 16)
     x = x * MULTIPLIER_0
     x = x ^ (x >> 15)
@@ -43,7 +43,7 @@ def _mix32(x):
 
 @triton.jit
 def _gumbel_noise(seed, cols):
-    """Gumbel(0, 1) per column from the row's int64 seed: engine.layers.gumbel_noise."""
+    """Gumbel(0, 1) per column from the row's int64 seed: engine.worker.layers.gumbel_noise."""
     seed_lo = seed.to(tl.uint32)  # truncates to the low 32 bits
     seed_hi = (seed >> 32).to(tl.uint32)
     bits = _mix32(_mix32(cols.to(tl.uint32) ^ seed_lo) + seed_hi)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.layers import add_layer_norm
+from engine.worker.layers import add_layer_norm
 from kernels.arrival_counters import arrive_last, counters_for, reset_counter
 from kernels.device_info import num_sms
 from kernels.gelu import gelu_tanh

@@ -4,7 +4,7 @@ One program per token copies that token's whole [num_heads * head_dim] row of K 
 its slot. Both rows are contiguous in the cache, and in `k`/`v` whenever heads are packed
 (the usual view of a fused QKV projection), so each program moves two unit-stride runs.
 Slot -1 marks padding: its program returns before touching the cache.
-The torch reference is `engine.attention.store_kv_reference`.
+The torch reference is `engine.worker.attention.store_kv_reference`.
 """
 from __future__ import annotations
 

@@ -16,12 +16,12 @@ from bench_offline import random_prompts
 from profile_decode import host_phases
 
 from engine import LLMEngine, SamplingParams
-from engine.batch import CompletedStep, RunnerOutput, SchedulerOutput
-from engine.config import EngineConfig
-from engine.cuda_graphs import mixed_capture_sizes
-from engine.inputs import (DecodeStager, MixedStager, is_decode_step, placeholder_sources,
+from engine.core.batch import CompletedStep, RunnerOutput, SchedulerOutput
+from engine.core.config import EngineConfig
+from engine.worker.cuda_graphs import mixed_capture_sizes
+from engine.worker.inputs import (DecodeStager, MixedStager, is_decode_step, placeholder_sources,
                            prepare_host_inputs)
-from engine.sampler import Sampler
+from engine.worker.sampler import Sampler
 
 PHASES = ("schedule", "launch", "update", "outputs", "step_total")
 

@@ -30,11 +30,11 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_utils import copy_bandwidth, matmul_rate  # noqa: E402
-from engine.attention import (AttentionMetadata, paged_attention_reference,  # noqa: E402
+from engine.worker.attention import (AttentionMetadata, paged_attention_reference,  # noqa: E402
                               store_kv_reference)
-from engine.layers import TORCH_OPS  # noqa: E402
-from engine.layers import bias_gelu as bias_gelu_reference  # noqa: E402
-from engine.layers import sample as sample_reference  # noqa: E402
+from engine.worker.layers import TORCH_OPS  # noqa: E402
+from engine.worker.layers import bias_gelu as bias_gelu_reference  # noqa: E402
+from engine.worker.layers import sample as sample_reference  # noqa: E402
 from kernels import TRITON_OPS  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
 from kernels.gelu import bias_gelu  # noqa: E402

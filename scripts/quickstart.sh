@@ -10,7 +10,7 @@ MODEL=${MODEL:-gpt2}
 . .venv/bin/activate
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0" || pip install -q torch
 pip install -q -e .
-if ! python -c "import sys; from engine.models.gpt2 import resolve_model_dir as r; r(sys.argv[1])" \
+if ! python -c "import sys; from engine.worker.models.gpt2 import resolve_model_dir as r; r(sys.argv[1])" \
         "$MODEL" 2>/dev/null; then
     ARCH=$MODEL; case $ARCH in gpt2|gpt2-medium|gpt2-large|gpt2-xl) ;; *) ARCH=gpt2;; esac
     OUT=checkpoints/$ARCH-random

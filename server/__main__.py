@@ -15,7 +15,7 @@ from typing import Any
 
 import uvicorn
 
-from engine.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig,
+from engine.core.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig,
                            SchedulerConfig, flat_field_names, load_config)
 from server.app import ServerSettings, create_app, version
 

@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from engine.output.outputs import RequestOutput
+from engine.core.request import SamplingParams
 from server.protocol import RequestError
 
 logger = logging.getLogger("gpt2serve.engine")

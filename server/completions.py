@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.output.outputs import CompletionOutput, RequestOutput
 from server.async_engine import AsyncEngine, ClientDisconnected, Generation, RequestFailed
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, Limits, RequestError, Usage,

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, \
     ValidationError
 
-from engine.request import MAX_LOGPROBS, SamplingParams
+from engine.core.request import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 4
 LOGIT_BIAS_LIMIT = 100.0

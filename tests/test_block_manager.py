@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager, block_key
+from engine.core.block_manager import BlockManager, block_key
 
 
 def admit_prompt(bm: BlockManager, rid: str, tokens: list[int]) -> list[int]:

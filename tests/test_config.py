@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ConfigError, EngineConfig, flat_field_names, load_config
+from engine.core.config import ConfigError, EngineConfig, flat_field_names, load_config
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 

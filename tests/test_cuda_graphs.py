@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
+from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
 
 
 def test_capture_sizes_cover_every_batch():

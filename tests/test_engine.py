@@ -88,7 +88,7 @@ def test_shared_prefix_hits_cache_shares_blocks_and_keeps_output(tiny_checkpoint
 def test_float32_logits_match_transformers(tiny_checkpoint, prompts):
     from transformers import GPT2LMHeadModel
 
-    from engine.batch import ScheduledSequence, SchedulerOutput
+    from engine.core.batch import ScheduledSequence, SchedulerOutput
 
     hf = GPT2LMHeadModel.from_pretrained(tiny_checkpoint, torch_dtype=torch.float32).eval()
     llm = make_llm(tiny_checkpoint)

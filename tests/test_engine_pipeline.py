@@ -8,11 +8,11 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batch import PLACEHOLDER_TOKEN, CompletedStep, SchedulerOutput
-from engine.config import EngineConfig
+from engine.core.batch import PLACEHOLDER_TOKEN, CompletedStep, SchedulerOutput
+from engine.core.config import EngineConfig
 from engine.llm import LLMEngine
-from engine.request import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.core.request import SamplingParams
+from engine.output.tokenizer import Tokenizer
 from test_scheduler import FakeRunner, reference_output
 
 

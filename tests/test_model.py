@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.attention import TorchAttention
-from engine.batch import PLACEHOLDER_TOKEN, ScheduledSequence, SchedulerOutput
-from engine.config import EngineConfig
-from engine.layers import TORCH_OPS
-from engine.model_runner import ModelRunner
-from engine.models.gpt2 import load_gpt2
-from engine.request import SamplingParams
+from engine.worker.attention import TorchAttention
+from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence, SchedulerOutput
+from engine.core.config import EngineConfig
+from engine.worker.layers import TORCH_OPS
+from engine.worker.model_runner import ModelRunner
+from engine.worker.models.gpt2 import load_gpt2
+from engine.core.request import SamplingParams
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0)
@@ -169,7 +169,7 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
 def test_host_inputs_decode_fast_path_equals_general_path():
     """The list-based decode path and the numpy varlen path build identical inputs, and a
     1-token prompt chunk that does not sample is never taken for a decode."""
-    from engine.inputs import _decode_host_inputs, is_decode_step, prepare_host_inputs
+    from engine.worker.inputs import _decode_host_inputs, is_decode_step, prepare_host_inputs
 
     params = SamplingParams()
     seqs = [ScheduledSequence("a", [7], 37, [4, 9, 2], True, params),
@@ -192,7 +192,7 @@ def test_decode_stager_matches_host_inputs_as_the_batch_changes():
     shift, sequences gain blocks, one is replaced by another with as many blocks, and the
     padded size shrinks and grows; padding rows are (0, 0, -1), seq_len 1, block 0, and
     draw greedily (temperature 0, seed 0)."""
-    from engine.inputs import DecodeStager, prepare_host_inputs
+    from engine.worker.inputs import DecodeStager, prepare_host_inputs
 
     n, width, bs = 4, 8, 16
     ids64, ids32 = np.full((7, n), 99, np.int64), np.full(n * (1 + width), 99, np.int32)
@@ -236,7 +236,7 @@ def test_mixed_stager_pads_tokens_and_sequences():
     graph of 16 tokens and 6 sequence rows: real rows as prepare_host_inputs computes them;
     padding tokens (0, 0, slot -1, own token), padding sequences with no new tokens (query
     start at the real end, seq_len 0), padding sample rows greedy."""
-    from engine.inputs import MixedStager, prepare_host_inputs
+    from engine.worker.inputs import MixedStager, prepare_host_inputs
 
     n, max_seqs, width, bs = 32, 6, 8, 16
     layout = MixedStager.layout(max_seqs, width)

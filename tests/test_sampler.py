@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from engine.batch import ScheduledSequence
-from engine.request import EOS_TOKEN_ID, SamplingParams
-from engine.sampler import Sampler, apply_penalties
+from engine.core.batch import ScheduledSequence
+from engine.core.request import EOS_TOKEN_ID, SamplingParams
+from engine.worker.sampler import Sampler, apply_penalties
 
 VOCAB = 1000
 

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batch import RunnerOutput, SchedulerOutput
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.request import EOS_TOKEN_ID, Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.batch import RunnerOutput, SchedulerOutput
+from engine.core.block_manager import BlockManager
+from engine.core.config import SchedulerConfig
+from engine.core.request import EOS_TOKEN_ID, Request, RequestStatus, SamplingParams
+from engine.core.scheduler import Scheduler
 
 VOCAB = 97
 

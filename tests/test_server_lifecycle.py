@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.config import load_config
+from engine.core.config import load_config
 from server.async_engine import AsyncEngine, RequestFailed
 from server.protocol import RequestError
 from server_harness import ServerProcess, metric, wait_for

@@ -6,9 +6,9 @@ from importlib import resources
 
 import pytest
 
-from engine.detokenize import TextStream
-from engine.request import EOS_TOKEN_ID
-from engine.tokenizer import (ENCODER_JSON_SHA256, VOCAB_BPE_SHA256, IncrementalDetokenizer,
+from engine.output.detokenize import TextStream
+from engine.core.request import EOS_TOKEN_ID
+from engine.output.tokenizer import (ENCODER_JSON_SHA256, VOCAB_BPE_SHA256, IncrementalDetokenizer,
                               Tokenizer)
 
 TEXT = "Hello world! It's 2026: naïve café, 你好, 😀 ok"

@@ -3,8 +3,8 @@ exactly for the shapes its measured table names."""
 import pytest
 import torch
 
-from engine.layers import add_norm_linear as add_norm_linear_reference
-from engine.layers import linear as linear_reference
+from engine.worker.layers import add_norm_linear as add_norm_linear_reference
+from engine.worker.layers import linear as linear_reference
 import kernels.linear as linear_module
 from kernel_cases import DEVICE, tol
 from kernels.linear import LinearDispatch

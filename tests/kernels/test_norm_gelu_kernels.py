@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from engine.layers import TORCH_OPS
-from engine.layers import bias_gelu as bias_gelu_reference
+from engine.worker.layers import TORCH_OPS
+from engine.worker.layers import bias_gelu as bias_gelu_reference
 from kernel_cases import DEVICE, DTYPES, INTERPRET, tol
 from kernels import TRITON_OPS
 from kernels.gelu import bias_gelu

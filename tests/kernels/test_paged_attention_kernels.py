@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.attention import paged_attention_reference
+from engine.worker.attention import paged_attention_reference
 from kernel_cases import (BLOCK_SIZES, DTYPES, INTERPRET, SCALE, context_lengths, make_paged_batch,
                           tol)
 from kernels import paged_attention as pa

@@ -3,8 +3,8 @@ rows draw the reference's token, from the same hashed Gumbel noise."""
 import pytest
 import torch
 
-from engine.layers import gumbel_noise
-from engine.layers import sample as sample_reference
+from engine.worker.layers import gumbel_noise
+from engine.worker.layers import sample as sample_reference
 from kernel_cases import DEVICE, DTYPES
 from kernels.sampling import CHUNK, row_sample
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.attention import store_kv_reference
+from engine.worker.attention import store_kv_reference
 from kernel_cases import BLOCK_SIZES, DEVICE, DTYPES, HEAD_DIM, INTERPRET, NUM_HEADS
 from kernels.store_kv import store_kv
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.attention import TorchAttention, get_attention_backend
+from engine.worker.attention import TorchAttention, get_attention_backend
 from kernel_cases import NUM_HEADS, HEAD_DIM, SCALE, make_paged_batch, tol
 
 BATCHES = {

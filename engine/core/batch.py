@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 
 @dataclass(slots=True)  # built per sequence per step: slots, not frozen, for speed; read-only

@@ -8,8 +8,8 @@ so a stream never emits text it would have to take back:
 """
 from __future__ import annotations
 
-from engine.request import EOS_TOKEN_ID
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.core.request import EOS_TOKEN_ID
+from engine.output.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.layers import Ops
+from engine.worker.attention import AttentionBackend, AttentionMetadata
+from engine.worker.layers import Ops
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",

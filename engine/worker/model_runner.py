@@ -13,16 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import get_attention_backend
-from engine.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
-from engine.inputs import (is_decode_step, placeholder_sources, prepare_host_inputs, to_device,
+from engine.worker.attention import get_attention_backend
+from engine.core.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.core.config import EngineConfig
+from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
+from engine.worker.inputs import (is_decode_step, placeholder_sources, prepare_host_inputs, to_device,
                            upload)
-from engine.layers import TORCH_OPS, Ops
-from engine.models.gpt2 import GPT2Config, load_gpt2, resolve_model_dir
-from engine.request import SamplingParams
-from engine.sampler import DrawInputs, Sampler, SamplerOutput, is_plain_draw
+from engine.worker.layers import TORCH_OPS, Ops
+from engine.worker.models.gpt2 import GPT2Config, load_gpt2, resolve_model_dir
+from engine.core.request import SamplingParams
+from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput, is_plain_draw
 
 log = logging.getLogger(__name__)
 

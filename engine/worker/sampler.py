@@ -5,13 +5,13 @@
       ─▶ logit_bias ─▶ min_tokens (mask stop tokens) ─▶ penalties
       ─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ draw(filtered, T > 0 ? 1 : 0, seed)
 
-The draw is a Gumbel-max race (`engine.layers.sample`, `kernels.sampling` on CUDA): the
+The draw is a Gumbel-max race (`engine.worker.layers.sample`, `kernels.sampling` on CUDA): the
 argmax of logits / T plus Gumbel noise hashed from the row's seed and the token id, or the
 plain argmax for greedy rows. A seeded request's seed for a token is (seed, tokens generated
 so far), so its tokens depend neither on its batch nor on preemption, nor on which path drew
 them; unseeded rows take fresh seeds from the sampler's generator. When every row of a step
 that ran as a CUDA graph is plain, the graph's own draw is the answer and nothing here runs.
-Per-row parameters reach the device through pinned memory (`engine.inputs.upload`), so
+Per-row parameters reach the device through pinned memory (`engine.worker.inputs.upload`), so
 sampling never waits for the step still running before it.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine import layers
-from engine.batch import ScheduledSequence, TokenLogprobs
-from engine.inputs import upload
-from engine.request import EOS_TOKEN_ID
+from engine.worker import layers
+from engine.core.batch import ScheduledSequence, TokenLogprobs
+from engine.worker.inputs import upload
+from engine.core.request import EOS_TOKEN_ID
 
 NEG_INF = float("-inf")
 

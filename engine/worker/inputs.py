@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.batch import PLACEHOLDER_TOKEN, ScheduledSequence
+from engine.worker.attention import AttentionMetadata
+from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence
 
 
 @dataclass
@@ -180,7 +180,7 @@ class DecodeStager:
 
 class MixedStager:
     """Writes a step with prompt tokens (HostInputs) into the mixed-step graphs' staging
-    arrays, padded to `size` tokens and `rows` sequences (engine.cuda_graphs):
+    arrays, padded to `size` tokens and `rows` sequences (engine.worker.cuda_graphs):
 
         ids64 [7, n]    as DecodeStager's; token rows padded with (0, 0, -1, own token);
                         draw rows hold the sampling sequences' seeds and temperatures

@@ -30,10 +30,10 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from engine.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence, SchedulerOutput
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus
+from engine.core.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.core.block_manager import BlockManager
+from engine.core.config import SchedulerConfig
+from engine.core.request import Request, RequestStatus
 
 
 class Scheduler:

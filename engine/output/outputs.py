@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.batch import TokenLogprobs
+from engine.core.batch import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.batch import ScheduledSequence
-from engine.inputs import DecodeStager, HostInputs, MixedStager
+from engine.worker.attention import AttentionMetadata
+from engine.core.batch import ScheduledSequence
+from engine.worker.inputs import DecodeStager, HostInputs, MixedStager
 
 if TYPE_CHECKING:
-    from engine.model_runner import SampledOnDevice
-    from engine.sampler import DrawInputs
+    from engine.worker.model_runner import SampledOnDevice
+    from engine.worker.sampler import DrawInputs
 
 MIN_MIXED_TOKENS = 16  # the smallest mixed-step graph (tl.dot tiles need 16 rows)
 

@@ -1,0 +1,2 @@
+"""The engine's core: requests, the scheduler/runner contract, the block manager, the scheduler
+and the config. Pure Python, no torch (tests/test_layers.py checks), testable on its own."""

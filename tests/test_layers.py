@@ -1,0 +1,9 @@
+"""The package layout is the architecture: the pure-Python core must not pull in torch."""
+import subprocess
+import sys
+
+
+def test_core_and_output_import_no_torch():
+    code = ("import sys, engine.core.scheduler, engine.core.config, engine.output.detokenize; "
+            "sys.exit(int('torch' in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
