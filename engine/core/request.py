@@ -127,9 +127,10 @@ class SamplingParams:
                 and self.top_k <= 0 and self.top_p == 1.0 and self.min_p == 0.0)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One sequence being generated. Owned and mutated by the scheduler only."""
+    """One sequence being generated. Owned and mutated by the scheduler only. Compared by
+    identity (eq=False): a field-by-field __eq__ would make every list lookup cost O(tokens)."""
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams

@@ -28,12 +28,43 @@ dropped by update (it was one token's compute, in blocks the request still owned
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Iterator
 
 from engine.core.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
 from engine.core.request import Request, RequestStatus
+
+
+class WaitingQueue:
+    """FCFS queue of requests with O(1) append, push to the front, pop, and removal by id
+    (an abort of one of 100k queued requests must not scan the queue)."""
+
+    def __init__(self) -> None:
+        self._requests: OrderedDict[str, Request] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._requests.values())
+
+    def append(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def appendleft(self, request: Request) -> None:
+        self.append(request)
+        self._requests.move_to_end(request.request_id, last=False)
+
+    def first(self) -> Request:
+        return next(iter(self._requests.values()))
+
+    def popleft(self) -> Request:
+        return self._requests.popitem(last=False)[1]
+
+    def remove(self, request_id: str) -> None:
+        del self._requests[request_id]
 
 
 class Scheduler:
@@ -42,7 +73,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -77,10 +108,10 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)  # by identity: at most max_num_seqs entries
+        else:  # waiting, or preempted back into the queue
+            self.waiting.remove(request_id)
         request.status = status
         request.stop_reason = stop_reason
         request.finish_time = self.clock()
@@ -148,7 +179,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.first()
             tokens = request.all_token_ids
             cached = self.block_manager.find_cached_prefix(tokens)
             num_cached = len(cached) * self.block_manager.block_size
