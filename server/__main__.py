@@ -8,9 +8,14 @@ SIGTERM stops accepting connections, lets in-flight requests finish for up to
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
+import socket
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -54,10 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", help="the name clients send as `model` "
                         "(default: the --model value)")
     parser.add_argument("--max-queued-requests", type=int, default=256,
-                        help="requests waiting for the engine before new ones get 503")
+                        help="sequences (prompts x n) waiting for the engine before new "
+                        "requests get 503; a request larger than this gets 400")
     parser.add_argument("--max-n", type=int, default=16, help="cap on `n` per request")
+    parser.add_argument("--max-prompts-per-request", type=int, default=2048,
+                        help="cap on the prompts of one request (OpenAI's is 2048)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests get to finish after SIGTERM")
+                        help="seconds in-flight requests get to finish after SIGTERM; then "
+                        "open streams end with an error event and the process exits")
+    parser.add_argument("--watchdog-timeout", type=float, default=60.0,
+                        help="/health answers 503 when the engine has work but has not "
+                        "completed a step for this many seconds")
+    parser.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="do not serve /openapi.json and /docs")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes")
     parser.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between throughput log lines (0: off)")
@@ -94,8 +108,10 @@ def _log_startup(engine: Any, config: EngineConfig, args: argparse.Namespace,
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.max_queued_requests < 1 or args.max_n < 1 or args.shutdown_timeout < 0:
-        parser.error("--max-queued-requests and --max-n must be >= 1, --shutdown-timeout >= 0")
+    if min(args.max_queued_requests, args.max_n, args.max_prompts_per_request) < 1:
+        parser.error("--max-queued-requests, --max-n and --max-prompts-per-request must be >= 1")
+    if args.shutdown_timeout < 0 or args.watchdog_timeout <= 0:
+        parser.error("--shutdown-timeout must be >= 0 and --watchdog-timeout > 0")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -105,14 +121,47 @@ def main(argv: list[str] | None = None) -> None:
     from engine import LLMEngine  # heavy (torch): only once the arguments are good
 
     engine = LLMEngine(config)
-    model_name = args.served_model_name or config.model.model
+    model_name = args.served_model_name or served_name_of(config.model.model)
     _log_startup(engine, config, args, model_name)
-    settings = ServerSettings(model_name=model_name,
-                              max_queued_requests=args.max_queued_requests, max_n=args.max_n,
-                              api_key=args.api_key, log_interval=args.log_interval)
-    uvicorn.Server(uvicorn.Config(
-        create_app(engine, settings), host=args.host, port=args.port,
-        log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)).run()
+    settings = ServerSettings(
+        model_name=model_name, max_queued_requests=args.max_queued_requests, max_n=args.max_n,
+        max_prompts_per_request=args.max_prompts_per_request, api_key=args.api_key,
+        log_interval=args.log_interval, watchdog_timeout=args.watchdog_timeout,
+        shutdown_timeout=args.shutdown_timeout, enable_docs=not args.disable_fastapi_docs)
+    app = create_app(engine, settings)
+    # uvicorn waits a little past the timeout: the app ends open streams at the timeout
+    # itself, and they need a moment to send their error event and [DONE]
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + STREAM_END_GRACE)
+    _Server(config, app.state.begin_shutdown).run()
+
+
+STREAM_END_GRACE = 1.0  # seconds
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when SIGTERM (or Ctrl-C) starts the shutdown."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_shutdown)
+        super().handle_exit(sig, frame)
+
+
+def served_name_of(model: str) -> str:
+    """A local directory is served under its last component: the server's filesystem layout
+    is nobody's business (metrics, /v1/models). A hub id is served as it is."""
+    path = Path(model)
+    return path.name if path.is_dir() else model
 
 
 if __name__ == "__main__":

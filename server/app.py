@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
@@ -24,23 +25,28 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.async_engine import AsyncEngine, RequestFailed
+from server.async_engine import SHUTTING_DOWN, AsyncEngine, RequestFailed
 from server.completions import CompletionService
 from server.metrics import ServerMetrics, ThroughputLog
 from server.protocol import (DetokenizeRequest, Limits, RequestError, TokenizeRequest,
                              check_tokens_in_vocab, parse_model)
 
 logger = logging.getLogger("gpt2serve")
+ENGINE_STOP_TIMEOUT = 1.0  # seconds the lifespan waits for the engine loop to exit
 
 
 @dataclass(frozen=True)
 class ServerSettings:
     model_name: str
-    max_queued_requests: int = 256
+    max_queued_requests: int = 256  # sequences (prompts x n) waiting before 503
     max_n: int = 16
+    max_prompts_per_request: int = 2048
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     log_interval: float = 10.0  # seconds between throughput lines; 0 turns them off
+    watchdog_timeout: float = 60.0  # a step older than this, with work pending: /health 503
+    shutdown_timeout: float = 30.0  # after SIGTERM, open streams end with an error after this
+    enable_docs: bool = True  # /openapi.json and /docs
 
 
 def version() -> str:
@@ -54,10 +60,11 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
     """Serve an already-built LLMEngine; its loop thread starts with the app's lifespan."""
     scheduler = engine.config.scheduler
     metrics = ServerMetrics(settings.model_name, scheduler.max_model_len)
-    async_engine = AsyncEngine(engine, settings.max_queued_requests,
+    async_engine = AsyncEngine(engine, settings.max_queued_requests, settings.watchdog_timeout,
                                observe_output=metrics.observe_output,
                                observe_stats=metrics.observe_stats)
-    limits = Limits(engine.tokenizer.vocab_size, scheduler.max_model_len, settings.max_n)
+    limits = Limits(engine.tokenizer.vocab_size, scheduler.max_model_len, settings.max_n,
+                    settings.max_prompts_per_request)
     service = CompletionService(async_engine, engine.tokenizer, settings.model_name, limits)
 
     @contextlib.asynccontextmanager
@@ -69,11 +76,15 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             log_task.cancel()
-            await async_engine.stop()
+            await async_engine.stop(timeout=ENGINE_STOP_TIMEOUT)
 
+    docs = settings.enable_docs
     app = FastAPI(title="gpt2-serve", version=version(), lifespan=lifespan,
-                  openapi_url=None, docs_url=None, redoc_url=None)
+                  openapi_url="/openapi.json" if docs else None,
+                  docs_url="/docs" if docs else None, redoc_url=None)
     app.state.async_engine, app.state.metrics = async_engine, metrics
+    app.state.begin_shutdown = functools.partial(_begin_shutdown, async_engine,
+                                                  settings.shutdown_timeout)
     _add_error_handlers(app)
     _add_routes(app, service, metrics, settings)
     if settings.api_key:
@@ -81,12 +92,20 @@ def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
     return app
 
 
+def _begin_shutdown(async_engine: AsyncEngine, timeout: float) -> None:
+    """SIGTERM arrived (on the event loop): in-flight requests get `timeout` seconds, then
+    whatever is still open ends with a 503 error (an SSE error event and [DONE])."""
+    logger.info("shutting down: open requests get %.1f s to finish", timeout)
+    asyncio.get_running_loop().call_later(timeout, async_engine.fail_open, SHUTTING_DOWN)
+
+
 async def _log_throughput(log: ThroughputLog, async_engine: AsyncEngine,
                           interval: float) -> None:
     while interval > 0:
         await asyncio.sleep(interval)
         if async_engine.stats is not None:
-            logger.info(log.line(async_engine.stats, async_engine.num_waiting))
+            logger.info(log.line(async_engine.stats, async_engine.num_waiting,
+                                 async_engine.step_age()))
 
 
 def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics,
@@ -169,16 +188,21 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def on_http_error(_: Request, err: HTTPException) -> JSONResponse:
-        return _error_response(RequestError(str(err.detail), code=str(err.status_code),
-                                            status=err.status_code))
+        """Starlette's own errors (404, 405 with its Allow header) in OpenAI's shape."""
+        response = _error_response(RequestError(str(err.detail), code=str(err.status_code),
+                                                status=err.status_code))
+        response.headers.update(err.headers or {})
+        return response
 
     @app.exception_handler(RequestFailed)
+    async def on_request_failed(_: Request, err: RequestFailed) -> JSONResponse:
+        return _error_response(err.error)
+
     @app.exception_handler(Exception)
     async def on_internal_error(_: Request, err: Exception) -> JSONResponse:
         """Starlette re-raises unexpected errors after this, so uvicorn logs the traceback."""
-        message = str(err) if isinstance(err, RequestFailed) else "internal server error"
-        return _error_response(RequestError(message, code="internal_error", status=500,
-                                            err_type="internal_server_error"))
+        return _error_response(RequestError("internal server error", code="internal_error",
+                                            status=500, err_type="internal_server_error"))
 
 
 class ApiKeyMiddleware:
@@ -192,7 +216,8 @@ class ApiKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._protected(scope) and not self._authorized(scope):
             response = JSONResponse(RequestError("invalid or missing API key", code="401",
-                                                 status=401).body(), status_code=401)
+                                                 status=401).body(), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

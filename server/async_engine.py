@@ -17,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,17 @@ logger = logging.getLogger("gpt2serve.engine")
 
 
 class RequestFailed(RuntimeError):
-    """The engine failed this request (not the client's fault): answered with HTTP 500."""
+    """The engine failed this request, not the client: HTTP 500, or 503 while shutting down
+    (`error` is the body and status the client gets)."""
+
+    def __init__(self, message: str, status: int = 500, code: str = "internal_error") -> None:
+        super().__init__(message)
+        err_type = "service_unavailable" if status == 503 else "internal_server_error"
+        self.error = RequestError(message, code=code, status=status, err_type=err_type)
+
+
+SHUTTING_DOWN = RequestFailed("the server is shutting down", status=503,
+                              code="server_shutting_down")
 
 
 class ClientDisconnected(Exception):
@@ -64,15 +75,17 @@ class Generation:
     `call_soon_threadsafe`. Iterating yields `(prompt_index, RequestOutput)`.
     """
 
-    def __init__(self, owner: AsyncEngine, request_ids: list[str]) -> None:
+    def __init__(self, owner: AsyncEngine, request_ids: list[str], n: int) -> None:
         self._owner = owner
         self.request_ids = request_ids
+        self._n = n  # sequences per engine request, each counted against the queue cap
         self._items: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._acks_pending = len(request_ids)
         self._accepted = asyncio.get_running_loop().create_future()
         self._unfinished = set(request_ids)
         self._waiting = set(request_ids)  # no output yet: counts against the queue cap
-        owner.num_waiting += len(request_ids)
+        owner.num_waiting += len(request_ids) * n
+        owner.live.add(self)
 
     # -- called from the engine thread (via the loop) --
     def on_ack(self, index: int, error: Exception | None) -> None:
@@ -94,9 +107,11 @@ class Generation:
         self._owner.observe_output(output, first)
         self._items.put_nowait(("output", index, output))
 
-    def on_failure(self, index: int, message: str) -> None:
-        self.on_ack(index, RequestFailed(message))
-        self._items.put_nowait(("failure", index, message))
+    def on_failure(self, index: int, failure: str | RequestFailed) -> None:
+        if isinstance(failure, str):
+            failure = RequestFailed(failure)
+        self.on_ack(index, failure)
+        self._items.put_nowait(("failure", index, failure))
 
     # -- called by the HTTP layer --
     async def accepted(self) -> None:
@@ -110,6 +125,7 @@ class Generation:
 
     def close(self) -> None:
         """Abort whatever has not finished. Idempotent; the engine ignores finished ids."""
+        self._owner.live.discard(self)
         for request_id in self._unfinished:
             self._owner.abort(request_id)
             self._leave_waiting(request_id)
@@ -124,7 +140,7 @@ class Generation:
             if kind == "cancelled":
                 raise ClientDisconnected()
             if kind == "failure":
-                raise RequestFailed(rest[1])
+                raise rest[1]
             index, output = rest
             if output.finished:
                 self._unfinished.discard(output.request_id)
@@ -133,18 +149,25 @@ class Generation:
     def _leave_waiting(self, request_id: str) -> None:
         if request_id in self._waiting:
             self._waiting.discard(request_id)
-            self._owner.num_waiting -= 1
+            self._owner.num_waiting -= self._n
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, max_queued_requests: int,
+    def __init__(self, engine: Any, max_queued_requests: int, watchdog_timeout: float = 60.0,
                  observe_output: Callable[[RequestOutput, bool], None] = lambda o, f: None,
                  observe_stats: Callable[[Any], None] = lambda s: None) -> None:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.observe_output = observe_output
         self._observe_stats = observe_stats
-        self.num_waiting = 0  # requests with no output yet (event-loop side)
+        self.num_waiting = 0  # sequences with no output yet (event-loop side)
+        self.live: set[Generation] = set()  # open generations (event-loop side)
+        self.watchdog_timeout = watchdog_timeout
+        # written by the engine thread: when its loop last completed an iteration, and
+        # whether it is idle (blocked on the command queue, nothing to step)
+        self._heartbeat = time.monotonic()
+        self._idle = True
+        self._stopping = threading.Event()  # checked between steps and between commands
         self.stats: Any = None  # latest engine.stats() snapshot
         self._commands: queue.Queue[Any] = queue.Queue()
         self._accepting = False
@@ -156,28 +179,54 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._accepting and self._thread.is_alive()
+        """Serving, and not stalled: the loop completed an iteration within the watchdog
+        limit, or has nothing to do."""
+        return (self._accepting and self._thread.is_alive()
+                and self.step_age() <= self.watchdog_timeout)
+
+    def step_age(self) -> float:
+        """Seconds since the engine loop last completed an iteration while it had work."""
+        return 0.0 if self._idle else time.monotonic() - self._heartbeat
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._accepting = True
         self._thread.start()
 
-    async def stop(self) -> None:
-        """Abort what is left (the HTTP server drained first) and join the thread."""
+    async def stop(self, timeout: float) -> None:
+        """Abort what is left (the HTTP server drained first) and join the thread, for at
+        most `timeout` seconds: a wedged engine must not keep the process alive (the thread
+        is a daemon, so the process exits without it)."""
+        self._stopping.set()
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join, timeout)
         if self._thread.is_alive():
-            self._commands.put(_STOP)
-            await asyncio.to_thread(self._thread.join)
+            logger.warning("the engine loop did not stop within %.1f s; exiting without it",
+                           timeout)
+
+    def fail_open(self, failure: RequestFailed) -> None:
+        """End every open generation now with `failure` (the shutdown deadline passed): its
+        stream sends an error event and [DONE] instead of being cut off."""
+        for generation in list(self.live):
+            generation.on_failure(0, failure)
+            generation.close()
 
     def generate(self, request_id: str, prompts: list[list[int]],
                  params: SamplingParams) -> Generation:
-        """Queue one engine request per prompt; 503 when dead or the waiting queue is full."""
-        if self.num_waiting and self.num_waiting + len(prompts) > self.max_queued_requests:
+        """Queue one engine request per prompt. A request costs P prompts x n choices
+        sequences against the queue cap: 400 if it could never fit, 503 when the queue is
+        too full now or the engine is dead."""
+        cost, cap = len(prompts) * params.n, self.max_queued_requests
+        if cost > cap:
+            raise RequestError(f"this request asks for {cost} sequences ({len(prompts)} "
+                               f"prompts x n={params.n}); the server queues at most {cap}",
+                               param="prompt", code="too_many_sequences")
+        if self.num_waiting + cost > cap:
             raise service_unavailable(
-                f"the server has {self.num_waiting} requests waiting (limit "
-                f"{self.max_queued_requests}); retry shortly", code="queue_full")
+                f"the server has {self.num_waiting} sequences waiting (limit {cap}); "
+                "retry shortly", code="queue_full")
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        generation = Generation(self, ids)
+        generation = Generation(self, ids, params.n)
         with self._lock:
             if not self._accepting:
                 generation.close()
@@ -199,19 +248,26 @@ class AsyncEngine:
                     self._dispatch(self.engine.step())
                     self._flush()
                 self._publish_stats()
-            self._fail_everything("the server is shutting down")
+                self._heartbeat = time.monotonic()
+            self._fail_everything(SHUTTING_DOWN)
         except Exception as exc:  # the engine's state is unknown now: stop serving
             logger.exception("engine loop died")
-            self._fail_everything(f"engine loop died: {type(exc).__name__}: {exc}")
+            self._fail_everything(RequestFailed(f"engine loop died: {type(exc).__name__}: "
+                                                f"{exc}"))
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command; False once asked to stop."""
+        if self._stopping.is_set():
+            return False
         try:
+            self._idle = block
             command = self._commands.get(block=block)
         except queue.Empty:
             return True
+        finally:
+            self._heartbeat, self._idle = time.monotonic(), False
         while True:
-            if command is _STOP:
+            if command is _STOP or self._stopping.is_set():
                 return False
             self._apply(command)
             try:
@@ -262,7 +318,7 @@ class AsyncEngine:
         self.stats = self.engine.stats()
         self._observe_stats(self.stats)
 
-    def _fail_everything(self, message: str) -> None:
+    def _fail_everything(self, failure: RequestFailed) -> None:
         with self._lock:
             self._accepting = False
         while True:
@@ -274,7 +330,7 @@ class AsyncEngine:
                 self._routes[command.request_id] = (command.generation, command.index)
         for request_id, (generation, index) in list(self._routes.items()):
             self._safe_abort(request_id)
-            self._notify(generation, "on_failure", index, message)
+            self._notify(generation, "on_failure", index, failure)
         self._routes.clear()
         try:
             self._flush()

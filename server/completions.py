@@ -67,7 +67,7 @@ class CompletionService:
 
     def _tokenize_prompts(self, req: CompletionRequest) -> list[list[int]]:
         token_lists = [self.encode(p) if isinstance(p, str) else p
-                       for p in parse_prompt(req.prompt, self.limits.vocab_size)]
+                       for p in parse_prompt(req.prompt, self.limits)]
         for tokens in token_lists:
             check_context_length(len(tokens), max_tokens_of(req), self.limits.max_model_len)
         return token_lists
@@ -119,7 +119,7 @@ class _Reply:
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening
         except RequestFailed as exc:
-            return JSONResponse(_server_error(str(exc)), status_code=500)
+            return JSONResponse(exc.error.body(), status_code=exc.error.status)
         finally:
             _finish(generation, watcher)
         choices = [self._whole_choice(i, choice) for i in sorted(self.finals)
@@ -143,7 +143,7 @@ class _Reply:
         except ClientDisconnected:
             return
         except RequestFailed as exc:
-            yield sse_event(json.dumps(_server_error(str(exc))))
+            yield sse_event(json.dumps(exc.error.body()))
             yield SSE_DONE
         finally:
             _finish(generation, watcher)
@@ -209,9 +209,3 @@ class _Reply:
                for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
         top.setdefault(sampled_text, finite_logprob(entry.token_logprob))
         return top
-
-
-def _server_error(message: str) -> dict[str, Any]:
-    return RequestError(message, code="internal_error", status=500,
-                        err_type="internal_server_error").body()
-

@@ -131,7 +131,7 @@ class ThroughputLog:
         self.metrics = metrics
         self._last = (time.monotonic(), 0, 0)
 
-    def line(self, stats: Any, server_waiting: int) -> str:
+    def line(self, stats: Any, server_waiting: int, step_age: float) -> str:
         now = time.monotonic()
         prompt, generation = (self.metrics.total_prompt_tokens,
                               self.metrics.total_generation_tokens)
@@ -143,4 +143,5 @@ class ThroughputLog:
                 f"generation throughput {(generation - last_generation) / elapsed:.1f} tok/s, "
                 f"running {stats.num_running}, waiting {stats.num_waiting} "
                 f"(server queue {server_waiting}), KV cache {stats.kv_cache_usage:.1%}, "
-                f"prefix hit rate {hit_rate:.1%}, preemptions {stats.num_preemptions}")
+                f"prefix hit rate {hit_rate:.1%}, preemptions {stats.num_preemptions}, "
+                f"step age {step_age:.1f} s")

@@ -42,6 +42,7 @@ class Limits:
     vocab_size: int
     max_model_len: int
     max_n: int = 16
+    max_prompts: int = 2048  # prompts per request, as OpenAI allows
 
 
 Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
@@ -129,7 +130,7 @@ def parse_model(model_cls: type[BaseModel], body: Any) -> Any:
 def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
     request = parse_model(CompletionRequest, body)
     _check_cross_fields(request, limits)
-    parse_prompt(request.prompt, limits.vocab_size)
+    parse_prompt(request.prompt, limits)
     _check_stop(request, limits.vocab_size)
     parse_logit_bias(request.logit_bias, limits.vocab_size)
     return request
@@ -160,8 +161,9 @@ def _check_cross_fields(req: CompletionRequest, limits: Limits) -> None:
 PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
-def parse_prompt(prompt: Any, vocab_size: int) -> list[str | list[int]]:
-    """Normalise the four OpenAI prompt forms into a list of prompts (text or token ids)."""
+def parse_prompt(prompt: Any, limits: Limits) -> list[str | list[int]]:
+    """Normalise the four OpenAI prompt forms into a list of prompts (text or token ids).
+    The prompt count is checked before any prompt is: each costs work to check and queue."""
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
@@ -173,8 +175,11 @@ def parse_prompt(prompt: Any, vocab_size: int) -> list[str | list[int]]:
     else:
         raise RequestError(f"prompt must be {PROMPT_FORMS}", param="prompt",
                            code="invalid_type")
+    if len(prompts) > limits.max_prompts:
+        raise RequestError(f"a request may hold at most {limits.max_prompts} prompts, got "
+                           f"{len(prompts)}", param="prompt", code="too_many_prompts")
     for i, one in enumerate(prompts):
-        _check_one_prompt(one, i, vocab_size)
+        _check_one_prompt(one, i, limits.vocab_size)
     return prompts
 
 

@@ -93,7 +93,15 @@ def test_body_must_be_an_object():
     ([[1], [2, 3]], [[1], [2, 3]]),
 ])
 def test_prompt_forms(prompt, expected):
-    assert parse_prompt(prompt, 50257) == expected
+    assert parse_prompt(prompt, LIMITS) == expected
+
+
+def test_prompt_count_is_capped_before_the_prompts_are_checked():
+    limits = Limits(vocab_size=50257, max_model_len=1024, max_prompts=3)
+    assert len(parse_prompt(["a"] * 3, limits)) == 3
+    with pytest.raises(RequestError) as info:
+        parse_prompt(["a", "b", "c", 7], limits)  # the bad 4th prompt is never looked at
+    assert info.value.code == "too_many_prompts" and "at most 3 prompts" in info.value.message
 
 
 def test_context_length_message_states_the_numbers():

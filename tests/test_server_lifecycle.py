@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -49,6 +50,29 @@ def test_api_key_guards_v1_routes_only(server):
         assert httpx.get(url + sneaky).status_code in (401, 404), sneaky
     for open_path in ("/health", "/metrics", "/version"):
         assert httpx.get(url + open_path).status_code == 200, open_path
+
+
+def test_http_conventions(server, http):
+    """405 names the allowed methods, 401 the auth scheme; the API describes itself."""
+    not_allowed = http.get("/v1/completions")
+    assert not_allowed.status_code == 405 and not_allowed.headers["allow"] == "POST"
+    assert not_allowed.json()["error"]["code"] == "405"
+    unauthorized = httpx.get(server.url + "/v1/models")
+    assert unauthorized.headers["www-authenticate"] == "Bearer"
+    schema = http.get("/openapi.json")
+    assert schema.status_code == 200 and "/v1/completions" in schema.json()["paths"]
+    assert http.get("/docs").status_code == 200
+
+
+def test_a_request_larger_than_the_queue_cap_is_refused_outright(http):
+    """The cap counts sequences, prompts x n: a single request must not bypass it."""
+    for body in ({"prompt": ["a", "b", "c"], "max_tokens": 1},
+                 {"prompt": "a", "n": 3, "temperature": 1.0, "max_tokens": 1}):
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "too_many_sequences"
+    assert http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1}
+                     ).status_code == 200
 
 
 def test_engine_side_rejection_is_a_400(http):
@@ -112,6 +136,31 @@ def _accepts_connections(url: str) -> bool:
         return False
 
 
+def test_sigterm_ends_unfinished_streams_with_an_error_within_the_timeout(tiny_checkpoint,
+                                                                          tmp_path):
+    """Streams still open at --shutdown-timeout get an error event and [DONE] (not a cut
+    connection), and the process exits within the timeout plus 2 s."""
+    server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--max-num-seqs", "1",
+                           "--shutdown-timeout", "1")
+    body = {**LONG, "max_tokens": 900}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        streams = [open_stream(http, body) for _ in range(3)]  # one runs, two wait
+        line_iters = [response.iter_lines() for _, response in streams]
+        assert next(line_iters[0]).startswith("data: ")
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        for lines in line_iters:
+            events = [line for line in lines if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            error = json.loads(events[-2][len("data: "):])["error"]
+            assert error["code"] == "server_shutting_down"
+        for context, _ in streams:
+            context.__exit__(None, None, None)
+    assert server.proc.wait(timeout=10) in (0, -signal.SIGTERM)
+    assert time.monotonic() - start < 1 + 2
+    assert "Traceback" not in server.log()
+
+
 # ---- failure containment, in-process against the real engine ----------------------------
 
 POISON = [13, 13, 13]
@@ -123,6 +172,8 @@ class FaultyEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.explode = threading.Event()
+        self.unwedged = threading.Event()  # clear it to hang the next step
+        self.unwedged.set()
 
     def add_request(self, request_id, prompt, params):
         if prompt == POISON:
@@ -132,6 +183,7 @@ class FaultyEngine:
     def step(self):
         if self.explode.is_set():
             raise RuntimeError("step blew up")
+        self.unwedged.wait()
         return self.engine.step()
 
     def __getattr__(self, name):
@@ -165,7 +217,7 @@ def _results(engine, coroutines_of, observe_output=lambda o, f: None):
                                            return_exceptions=True)
             return results, async_engine
         finally:
-            await async_engine.stop()
+            await async_engine.stop(timeout=10)
     return asyncio.run(main())
 
 
@@ -201,6 +253,30 @@ def test_a_dying_loop_fails_requests_and_turns_unhealthy(engine):
         with pytest.raises(RequestError) as refused:
             async_engine.generate("late", [[1]], SamplingParams())
         assert refused.value.status == 503
-        await async_engine.stop()
+        await async_engine.stop(timeout=10)
     asyncio.run(scenario())
     assert not engine.has_unfinished_requests()
+
+
+def test_watchdog_reports_a_wedged_engine_and_stop_does_not_wait_for_it(engine):
+    async def scenario():
+        async_engine = AsyncEngine(FaultyEngine(engine), 16, watchdog_timeout=0.3)
+        async_engine.start()
+        assert async_engine.healthy  # idle: no step is owed
+        async_engine.engine.unwedged.clear()
+        pending = asyncio.create_task(_run(async_engine, "stuck", [1, 2], max_tokens=4))
+        await asyncio.sleep(0.6)
+        assert not async_engine.healthy and async_engine.step_age() > 0.3
+        async_engine.engine.unwedged.set()
+        assert await pending
+        assert async_engine.healthy
+        async_engine.engine.unwedged.clear()
+        wedged = asyncio.create_task(_run(async_engine, "wedged", [3], max_tokens=4))
+        await asyncio.sleep(0.1)
+        start = time.monotonic()
+        await async_engine.stop(timeout=0.5)
+        assert time.monotonic() - start < 1.0
+        async_engine.engine.unwedged.set()  # let the thread finish and fail the request
+        with pytest.raises(RequestFailed, match="shutting down"):
+            await wedged
+    asyncio.run(scenario())
