@@ -1,5 +1,6 @@
 """gpt2-serve engine: `from engine import LLM, SamplingParams`."""
-from engine.llm import LLM, EngineStats, LLMEngine
+from engine.core.messages import EngineStats
+from engine.llm import LLM, LLMEngine
 from engine.output.outputs import CompletionOutput, RequestOutput
 from engine.core.request import SamplingParams
 

@@ -48,7 +48,7 @@ def host_phases(engine: LLMEngine, batch: int, params: SamplingParams,
         engine.step()
     timings = {name: [] for name in ("schedule", "launch", "wait", "update", "outputs")}
     timed = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "launch", "launch"),
-             (engine.scheduler, "update", "update"), (engine, "_process", "outputs")]
+             (engine.scheduler, "update", "update"), (engine.processor, "process", "outputs")]
     originals = [getattr(obj, name) for obj, name, _ in timed]
     for (obj, name, phase), fn in zip(timed, originals):
         setattr(obj, name, _timed(fn, timings[phase]))

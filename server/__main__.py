@@ -23,6 +23,7 @@ import uvicorn
 from engine.core.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig,
                            SchedulerConfig, flat_field_names, load_config)
 from server.app import ServerSettings, create_app, version
+from server.engine_process import EngineProcess, EngineStartupError
 
 logger = logging.getLogger("gpt2serve")
 CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -85,18 +86,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return load_config(args.config, **overrides)
 
 
-def _log_startup(engine: Any, config: EngineConfig, args: argparse.Namespace,
+def _log_startup(core: EngineProcess, config: EngineConfig, args: argparse.Namespace,
                  model_name: str) -> None:
-    stats = engine.stats()
-    model, cache, sched = config.model, config.cache, config.scheduler
-    runner = getattr(engine, "runner", None)  # resolved values ("auto" -> what was chosen)
-    logger.info("gpt2-serve %s: serving %s as %r on http://%s:%d", version(), model.model,
-                model_name, args.host, args.port)
-    logger.info("model: device=%s dtype=%s attention=%s enforce_eager=%s",
-                getattr(runner, "device", model.device), getattr(runner, "dtype", model.dtype),
-                getattr(runner, "attention_backend", model.attention_backend),
-                model.enforce_eager)
-    logger.info("kv cache: %d blocks x %d tokens, prefix caching %s", stats.num_total_blocks,
+    model, cache, sched, info = config.model, config.cache, config.scheduler, core.info
+    logger.info("gpt2-serve %s: serving %s as %r on http://%s:%d (engine core: pid %s)",
+                version(), model.model, model_name, args.host, args.port, core.pid)
+    logger.info("model: device=%s dtype=%s attention=%s enforce_eager=%s", info.device,
+                info.dtype, info.attention_backend, model.enforce_eager)
+    logger.info("kv cache: %d blocks x %d tokens, prefix caching %s", info.num_kv_blocks,
                 cache.block_size, "on" if cache.enable_prefix_caching else "off")
     logger.info("scheduler: max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d",
                 sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens)
@@ -118,17 +115,18 @@ def main(argv: list[str] | None = None) -> None:
         config = engine_config_from_args(args)
     except ConfigError as exc:
         sys.exit(f"gpt2-serve: {exc}")
-    from engine import LLMEngine  # heavy (torch): only once the arguments are good
-
-    engine = LLMEngine(config)
+    try:
+        core = EngineProcess(config)
+    except EngineStartupError as exc:
+        sys.exit(f"gpt2-serve: the engine could not start: {exc}")
     model_name = args.served_model_name or served_name_of(config.model.model)
-    _log_startup(engine, config, args, model_name)
+    _log_startup(core, config, args, model_name)
     settings = ServerSettings(
         model_name=model_name, max_queued_requests=args.max_queued_requests, max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request, api_key=args.api_key,
         log_interval=args.log_interval, watchdog_timeout=args.watchdog_timeout,
         shutdown_timeout=args.shutdown_timeout, enable_docs=not args.disable_fastapi_docs)
-    app = create_app(engine, settings)
+    app = create_app(core, settings)
     # uvicorn waits a little past the timeout: the app ends open streams at the timeout
     # itself, and they need a moment to send their error event and [DONE]
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -25,7 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.async_engine import SHUTTING_DOWN, AsyncEngine, RequestFailed
+from engine.output.tokenizer import Tokenizer
+from server.async_engine import SHUTTING_DOWN, AsyncEngine, CoreConnection, RequestFailed
 from server.completions import CompletionService
 from server.metrics import ServerMetrics, ThroughputLog
 from server.protocol import (DetokenizeRequest, Limits, RequestError, TokenizeRequest,
@@ -56,16 +57,17 @@ def version() -> str:
         return "0.0.0+unknown"
 
 
-def create_app(engine: Any, settings: ServerSettings) -> FastAPI:
-    """Serve an already-built LLMEngine; its loop thread starts with the app's lifespan."""
-    scheduler = engine.config.scheduler
-    metrics = ServerMetrics(settings.model_name, scheduler.max_model_len)
-    async_engine = AsyncEngine(engine, settings.max_queued_requests, settings.watchdog_timeout,
-                               observe_output=metrics.observe_output,
+def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
+    """Serve a started engine core (a process, or a thread in tests); the app's lifespan
+    connects to it, and stops it at the end."""
+    tokenizer = Tokenizer()
+    metrics = ServerMetrics(settings.model_name, core.max_model_len)
+    async_engine = AsyncEngine(core, tokenizer, settings.max_queued_requests,
+                               settings.watchdog_timeout, observe_output=metrics.observe_output,
                                observe_stats=metrics.observe_stats)
-    limits = Limits(engine.tokenizer.vocab_size, scheduler.max_model_len, settings.max_n,
+    limits = Limits(tokenizer.vocab_size, core.max_model_len, settings.max_n,
                     settings.max_prompts_per_request)
-    service = CompletionService(async_engine, engine.tokenizer, settings.model_name, limits)
+    service = CompletionService(async_engine, tokenizer, settings.model_name, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -1,32 +1,50 @@
-"""Runs the (not thread-safe) LLMEngine in one thread and bridges it to asyncio.
+"""AsyncEngine: the server's side of the engine. It owns the output processor (text, stop
+strings, the n choices), so per-token Python work stays off the engine core's loop, and it
+talks to the core through a `CoreConnection`: a process of its own (server/engine_process.py,
+what `gpt2-serve` runs) or a thread (server/core_thread.py, for tests).
 
-    event loop ──commands (queue.Queue: add / abort / stop)────────────▶ engine thread
-    event loop ◀──loop.call_soon_threadsafe(this iteration's events)────  engine thread
+    HTTP request ──generate()──▶ OutputProcessor.add ──AddSequences──▶ core
+    Generation ◀──RequestOutputs── OutputProcessor.process ◀──StepOutput── core (one per step)
+                                   └──AbortSequences (stop strings, disconnects)──▶ core
 
-Only the engine thread touches the engine. It drains every pending command between steps and
-blocks on the command queue when idle, so an idle server burns no CPU. Each HTTP request is a
-`Generation`: one engine request per prompt, whose outputs arrive on one asyncio queue.
-
-Failure containment: an exception while adding or delivering one request fails that request
-only. An exception from `engine.step()` means the engine's state can no longer be trusted: the
-loop stops, every request fails, and `healthy` turns False (/health answers 503).
+Everything here runs on the event loop. Failure containment: a failure while handling one
+request's output fails that request only; a dead core (CoreFailed, or its process gone) fails
+every request and turns `healthy` False (/health answers 503).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
-from engine.output.outputs import RequestOutput
+from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, EngineStats,
+                                  FromCore, SequenceFailed, Shutdown, StepOutput, ToCore)
 from engine.core.request import SamplingParams
+from engine.core.scheduler import check_fits
+from engine.output.outputs import RequestOutput
+from engine.output.processor import OutputProcessor
+from engine.output.tokenizer import Tokenizer
 from server.protocol import RequestError
 
 logger = logging.getLogger("gpt2serve.engine")
+
+
+class CoreConnection(Protocol):
+    """How the frontend reaches an engine core loop (engine.core.engine_core.run_core_loop)."""
+    max_model_len: int
+    pool_tokens: int  # tokens the core's KV pool holds: no request may need more
+
+    def start(self, deliver: Callable[[FromCore], None]) -> None:
+        """Start receiving; `deliver` is called on the running event loop, in order."""
+
+    def send(self, message: ToCore) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+    async def stop(self, timeout: float) -> None:
+        """Ask the core to shut down; wait at most `timeout` seconds for it."""
 
 
 class RequestFailed(RuntimeError):
@@ -51,100 +69,68 @@ def service_unavailable(message: str, code: str) -> RequestError:
     return RequestError(message, code=code, status=503, err_type="service_unavailable")
 
 
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    generation: Generation
-    index: int
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-_STOP = object()
+Ready = list[tuple[int, RequestOutput]]  # (prompt index, output), oldest first
 
 
 class Generation:
-    """One HTTP request's engine requests (one per prompt), merged in arrival order.
-
-    All methods run on the event loop; the engine thread reaches them through
-    `call_soon_threadsafe`. Iterating yields `(prompt_index, RequestOutput)`.
-    """
+    """One HTTP request's engine requests (one per prompt). Iterating yields, each time, every
+    (prompt_index, RequestOutput) that is ready: a consumer that falls behind catches up in
+    one go instead of one output at a time."""
 
     def __init__(self, owner: AsyncEngine, request_ids: list[str], n: int) -> None:
         self._owner = owner
         self.request_ids = request_ids
         self._n = n  # sequences per engine request, each counted against the queue cap
-        self._items: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
-        self._acks_pending = len(request_ids)
-        self._accepted = asyncio.get_running_loop().create_future()
+        self._ready: Ready = []
+        self._wakeup = asyncio.Event()
+        self._end: BaseException | None = None  # a failure, or ClientDisconnected
         self._unfinished = set(request_ids)
         self._waiting = set(request_ids)  # no output yet: counts against the queue cap
         owner.num_waiting += len(request_ids) * n
-        owner.live.add(self)
-
-    # -- called from the engine thread (via the loop) --
-    def on_ack(self, index: int, error: Exception | None) -> None:
-        if self._accepted.done():
-            return
-        if error is not None:
-            self._accepted.set_exception(error)
-            return
-        self._acks_pending -= 1
-        if self._acks_pending == 0:
-            self._accepted.set_result(None)
 
     def on_output(self, index: int, output: RequestOutput) -> None:
         first = output.request_id in self._waiting
         self._leave_waiting(output.request_id)
         if output.error is not None:
-            self.on_failure(index, output.error)
+            self.on_failure(RequestFailed(output.error))
             return
         self._owner.observe_output(output, first)
-        self._items.put_nowait(("output", index, output))
+        self._ready.append((index, output))
+        self._wakeup.set()
 
-    def on_failure(self, index: int, failure: str | RequestFailed) -> None:
-        if isinstance(failure, str):
-            failure = RequestFailed(failure)
-        self.on_ack(index, failure)
-        self._items.put_nowait(("failure", index, failure))
-
-    # -- called by the HTTP layer --
-    async def accepted(self) -> None:
-        """Wait until the engine took every prompt; raise its rejection (RequestError, 400)."""
-        await self._accepted
+    def on_failure(self, failure: RequestFailed) -> None:
+        if self._end is None:
+            self._end = failure
+        self._wakeup.set()
 
     def cancel(self) -> None:
         """The client disconnected: abort now and wake the consumer."""
+        self._end = ClientDisconnected()
         self.close()
-        self._items.put_nowait(("cancelled",))
+        self._wakeup.set()
 
     def close(self) -> None:
-        """Abort whatever has not finished. Idempotent; the engine ignores finished ids."""
-        self._owner.live.discard(self)
+        """Abort whatever has not finished. Idempotent; the core ignores finished ids."""
         for request_id in self._unfinished:
             self._owner.abort(request_id)
             self._leave_waiting(request_id)
         self._unfinished.clear()
 
-    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def __aiter__(self) -> AsyncIterator[Ready]:
         return self._iterate()
 
-    async def _iterate(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _iterate(self) -> AsyncIterator[Ready]:
         while self._unfinished:
-            kind, *rest = await self._items.get()
-            if kind == "cancelled":
-                raise ClientDisconnected()
-            if kind == "failure":
-                raise rest[1]
-            index, output = rest
-            if output.finished:
-                self._unfinished.discard(output.request_id)
-            yield index, output
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            ready, self._ready = self._ready, []
+            if ready:
+                for _, output in ready:
+                    if output.finished:
+                        self._unfinished.discard(output.request_id)
+                yield ready
+            if self._end is not None:
+                raise self._end
 
     def _leave_waiting(self, request_id: str) -> None:
         if request_id in self._waiting:
@@ -153,69 +139,52 @@ class Generation:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, max_queued_requests: int, watchdog_timeout: float = 60.0,
+    def __init__(self, connection: CoreConnection, tokenizer: Tokenizer,
+                 max_queued_requests: int, watchdog_timeout: float = 60.0,
                  observe_output: Callable[[RequestOutput, bool], None] = lambda o, f: None,
-                 observe_stats: Callable[[Any], None] = lambda s: None) -> None:
-        self.engine = engine
+                 observe_stats: Callable[[EngineStats], None] = lambda s: None) -> None:
+        self.connection = connection
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer)
         self.max_queued_requests = max_queued_requests
+        self.watchdog_timeout = watchdog_timeout
         self.observe_output = observe_output
         self._observe_stats = observe_stats
-        self.num_waiting = 0  # sequences with no output yet (event-loop side)
-        self.live: set[Generation] = set()  # open generations (event-loop side)
-        self.watchdog_timeout = watchdog_timeout
-        # written by the engine thread: when its loop last completed an iteration, and
-        # whether it is idle (blocked on the command queue, nothing to step)
-        self._heartbeat = time.monotonic()
-        self._idle = True
-        self._stopping = threading.Event()  # checked between steps and between commands
-        self.stats: Any = None  # latest engine.stats() snapshot
-        self._commands: queue.Queue[Any] = queue.Queue()
+        self.num_waiting = 0  # sequences with no output yet
+        self.stats: EngineStats | None = None  # the core's state after its latest step
+        self._routes: dict[str, tuple[Generation, int]] = {}  # engine request id -> owner
         self._accepting = False
-        self._lock = threading.Lock()  # makes "accepting?" and "enqueue" one step
-        self._routes: dict[str, tuple[Generation, int]] = {}  # engine thread only
-        self._events: list[tuple[Generation, str, int, Any]] = []  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._last_progress = time.monotonic()  # the core's latest step, or work arriving
 
     @property
     def healthy(self) -> bool:
-        """Serving, and not stalled: the loop completed an iteration within the watchdog
-        limit, or has nothing to do."""
-        return (self._accepting and self._thread.is_alive()
+        """Serving, and not stalled: the core stepped within the watchdog limit, or has
+        nothing to do."""
+        return (self._accepting and self.connection.is_alive()
                 and self.step_age() <= self.watchdog_timeout)
 
     def step_age(self) -> float:
-        """Seconds since the engine loop last completed an iteration while it had work."""
-        return 0.0 if self._idle else time.monotonic() - self._heartbeat
+        """Seconds since the core's last step while it has work (0 when it has none)."""
+        if not self.processor.has_unfinished():
+            return 0.0
+        return time.monotonic() - self._last_progress
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self.connection.start(self._deliver)
         self._accepting = True
-        self._thread.start()
 
     async def stop(self, timeout: float) -> None:
-        """Abort what is left (the HTTP server drained first) and join the thread, for at
-        most `timeout` seconds: a wedged engine must not keep the process alive (the thread
-        is a daemon, so the process exits without it)."""
-        self._stopping.set()
-        self._commands.put(_STOP)
-        await asyncio.to_thread(self._thread.join, timeout)
-        if self._thread.is_alive():
-            logger.warning("the engine loop did not stop within %.1f s; exiting without it",
-                           timeout)
-
-    def fail_open(self, failure: RequestFailed) -> None:
-        """End every open generation now with `failure` (the shutdown deadline passed): its
-        stream sends an error event and [DONE] instead of being cut off."""
-        for generation in list(self.live):
-            generation.on_failure(0, failure)
-            generation.close()
+        """Stop the core (the HTTP server drained first), waiting at most `timeout` seconds:
+        a wedged core must not keep the process alive."""
+        self._accepting = False
+        await self.connection.stop(timeout)
+        self.fail_open(SHUTTING_DOWN)
 
     def generate(self, request_id: str, prompts: list[list[int]],
                  params: SamplingParams) -> Generation:
         """Queue one engine request per prompt. A request costs P prompts x n choices
         sequences against the queue cap: 400 if it could never fit, 503 when the queue is
-        too full now or the engine is dead."""
+        too full now or the engine is dead. Input the engine cannot take is a 400."""
         cost, cap = len(prompts) * params.n, self.max_queued_requests
         if cost > cap:
             raise RequestError(f"this request asks for {cost} sequences ({len(prompts)} "
@@ -225,135 +194,86 @@ class AsyncEngine:
             raise service_unavailable(
                 f"the server has {self.num_waiting} sequences waiting (limit {cap}); "
                 "retry shortly", code="queue_full")
+        if not self.healthy:
+            raise service_unavailable("the engine is not running", code="engine_dead")
+        for prompt in prompts:
+            try:
+                check_fits(len(prompt), params.max_tokens, self.connection.max_model_len,
+                           self.connection.pool_tokens)
+            except ValueError as exc:
+                raise RequestError(str(exc), param="max_tokens",
+                                   code="context_length_exceeded") from None
+        if not self.processor.has_unfinished():
+            self._last_progress = time.monotonic()  # the watchdog's clock starts now
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         generation = Generation(self, ids, params.n)
-        with self._lock:
-            if not self._accepting:
-                generation.close()
-                raise service_unavailable("the engine is not running", code="engine_dead")
-            for index, (rid, prompt) in enumerate(zip(ids, prompts)):
-                self._commands.put(_Add(rid, prompt, params, generation, index))
+        arrival = time.monotonic()
+        sequences = []
+        for index, (rid, prompt) in enumerate(zip(ids, prompts)):
+            sequences += self.processor.add(rid, None, prompt, params, arrival)
+            self._routes[rid] = (generation, index)
+        self.connection.send(AddSequences(sequences))
         return generation
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self._routes.pop(request_id, None)
+        seq_ids = self.processor.abort(request_id)
+        if seq_ids:
+            self.connection.send(AbortSequences(seq_ids))
 
-    # ---- engine thread ----
-    def _run(self) -> None:
-        try:
-            self._publish_stats()  # gauges and the log line are right before any request
-            while self._apply_commands(block=not self.engine.has_unfinished_requests()):
-                self._flush()  # acks go out before the step: stream headers need not wait
-                if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
-                    self._flush()
-                self._publish_stats()
-                self._heartbeat = time.monotonic()
-            self._fail_everything(SHUTTING_DOWN)
-        except Exception as exc:  # the engine's state is unknown now: stop serving
-            logger.exception("engine loop died")
-            self._fail_everything(RequestFailed(f"engine loop died: {type(exc).__name__}: "
-                                                f"{exc}"))
+    def fail_open(self, failure: RequestFailed) -> None:
+        """End every open request now with `failure` (a dead core, or the shutdown deadline
+        passed): a stream sends an error event and [DONE] instead of being cut off."""
+        generations = {generation for generation, _ in self._routes.values()}
+        for generation in generations:
+            generation.on_failure(failure)
+            generation.close()
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply every queued command; False once asked to stop."""
-        if self._stopping.is_set():
-            return False
-        try:
-            self._idle = block
-            command = self._commands.get(block=block)
-        except queue.Empty:
-            return True
-        finally:
-            self._heartbeat, self._idle = time.monotonic(), False
-        while True:
-            if command is _STOP or self._stopping.is_set():
-                return False
-            self._apply(command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
+    # ---- messages from the core, on the event loop ----
+    def _deliver(self, message: FromCore) -> None:
+        if isinstance(message, StepOutput):
+            self._on_step(message)
+        elif isinstance(message, SequenceFailed):
+            self._fail_request(message.seq_id.rsplit("#", 1)[0], message.message)
+        elif isinstance(message, CoreFailed):
+            logger.error("%s", message.message)
+            self._accepting = False
+            self.fail_open(RequestFailed(message.message))
 
-    def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
-            self._routes.pop(command.request_id, None)
-            self.engine.abort(command.request_id)
-            return
-        try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids,
-                                    command.params)
-        except ValueError as exc:  # the engine's verdict on the input: the client's 400
-            self._notify(command.generation, "on_ack", command.index,
-                         RequestError(str(exc), param="prompt"))
-            return
-        except Exception as exc:
-            logger.exception("adding request %s failed", command.request_id)
-            self.engine.abort(command.request_id)
-            self._notify(command.generation, "on_failure", command.index, f"add failed: {exc}")
-            return
-        self._routes[command.request_id] = (command.generation, command.index)
-        self._notify(command.generation, "on_ack", command.index, None)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _on_step(self, step: StepOutput) -> None:
+        self._last_progress = time.monotonic()
+        self.stats = step.stats
+        self._observe_stats(step.stats)
+        outputs, to_abort = self.processor.process(step)
+        if to_abort:
+            self.connection.send(AbortSequences(to_abort))
         for output in outputs:
             route = self._routes.get(output.request_id)
-            if route is None:  # aborted meanwhile
+            if route is None:
                 continue
-            if output.finished or output.error is not None:
+            if output.finished:
                 del self._routes[output.request_id]
-            self._notify(route[0], "on_output", route[1], output)
-
-    def _notify(self, generation: Generation, event: str, index: int, payload: Any) -> None:
-        self._events.append((generation, event, index, payload))
-
-    def _flush(self) -> None:
-        """Hand this iteration's events to the loop in one wake-up, not one per request."""
-        if self._events:
-            events, self._events = self._events, []
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(_deliver_all, events)
-
-    def _publish_stats(self) -> None:
-        self.stats = self.engine.stats()
-        self._observe_stats(self.stats)
-
-    def _fail_everything(self, failure: RequestFailed) -> None:
-        with self._lock:
-            self._accepting = False
-        while True:
             try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(command, _Add):
-                self._routes[command.request_id] = (command.generation, command.index)
-        for request_id, (generation, index) in list(self._routes.items()):
-            self._safe_abort(request_id)
-            self._notify(generation, "on_failure", index, failure)
-        self._routes.clear()
-        try:
-            self._flush()
-        except RuntimeError:  # the event loop is already closed: nobody is waiting
-            pass
+                route[0].on_output(route[1], output)
+            except Exception as exc:  # a bug handling one request fails that request only
+                logger.exception("handling the output of %s failed", output.request_id)
+                self._fail_request(output.request_id,
+                                   f"internal error: {type(exc).__name__}: {exc}")
 
-    def _safe_abort(self, request_id: str) -> None:
-        try:
-            self.engine.abort(request_id)
-        except Exception:
-            logger.exception("abort of %s failed", request_id)
+    def _fail_request(self, request_id: str, message: str) -> None:
+        route = self._routes.get(request_id)
+        if route is not None:
+            route[0].on_failure(RequestFailed(message))
+            route[0].close()
 
 
-def _deliver_all(events: list[tuple[Generation, str, int, Any]]) -> None:
-    for event in events:
-        _deliver(*event)
-
-
-def _deliver(generation: Generation, event: str, index: int, payload: Any) -> None:
-    """Runs on the loop: a bug while handling one request's event fails that request only."""
-    try:
-        getattr(generation, event)(index, payload)
-    except Exception as exc:
-        logger.exception("handling %s of a request failed", event)
-        if event != "on_failure":
-            generation.on_failure(index, f"internal error: {type(exc).__name__}: {exc}")
+async def stop_core(connection: CoreConnection, join: Callable[[float], None],
+                    timeout: float) -> None:
+    """Shared by both connections: send Shutdown, then wait (off the event loop) at most
+    `timeout` seconds for the core to end."""
+    if connection.is_alive():
+        connection.send(Shutdown())
+        await asyncio.to_thread(join, timeout)
+    if connection.is_alive():
+        logger.warning("the engine core did not stop within %.1f s; leaving without it",
+                       timeout)

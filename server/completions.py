@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -20,8 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.output.outputs import CompletionOutput, RequestOutput
 from server.async_engine import AsyncEngine, ClientDisconnected, Generation, RequestFailed
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                             CompletionResponse, Limits, RequestError, Usage,
-                             check_context_length, finite_logprob, max_tokens_of,
+                             CompletionResponse, Limits, RequestError, Usage, finite_logprob,
                              parse_completion_request, parse_prompt, to_sampling_params)
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -48,11 +48,6 @@ class CompletionService:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         generation = self.engine.generate(request_id, prompts, self._sampling_params(req))
         watcher = asyncio.create_task(_cancel_on_disconnect(http_request, generation))
-        try:
-            await generation.accepted()
-        except BaseException:
-            _finish(generation, watcher)
-            raise
         reply = _Reply(self, req, request_id, prompts)
         if req.stream:
             return StreamingResponse(reply.stream(generation, watcher),
@@ -66,17 +61,14 @@ class CompletionService:
                                status=404)
 
     def _tokenize_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        token_lists = [self.encode(p) if isinstance(p, str) else p
-                       for p in parse_prompt(req.prompt, self.limits)]
-        for tokens in token_lists:
-            check_context_length(len(tokens), max_tokens_of(req), self.limits.max_model_len)
-        return token_lists
+        return [self.encode(p) for p in parse_prompt(req.prompt, self.limits)]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """The engine's prompt rules (tokenizing, the vocabulary), as 400s."""
         try:
-            return self.tokenizer.encode(text)
+            return self.tokenizer.encode_prompt(prompt)
         except ValueError as exc:
-            raise RequestError(f"prompt could not be tokenized: {exc}", param="prompt") from None
+            raise RequestError(f"prompt could not be used: {exc}", param="prompt") from None
 
     def _sampling_params(self, req: CompletionRequest) -> Any:
         try:
@@ -92,6 +84,25 @@ async def _cancel_on_disconnect(http_request: Request, generation: Generation) -
     while (await http_request.receive())["type"] != "http.disconnect":
         pass
     generation.cancel()
+
+
+def merge_deltas(ready: list[tuple[int, RequestOutput]]) -> list[tuple[int, CompletionOutput]]:
+    """Per (prompt, choice), everything these outputs added, as one delta: a stream that fell
+    behind sends one chunk per choice, not one per engine step."""
+    merged: dict[tuple[int, int], CompletionOutput] = {}
+    for prompt_index, output in ready:
+        for choice in output.outputs:
+            key = (prompt_index, choice.index)
+            seen = merged.get(key)
+            if seen is None:
+                merged[key] = choice
+                continue
+            logprobs = None if seen.delta_logprobs is None and choice.delta_logprobs is None \
+                else (seen.delta_logprobs or []) + (choice.delta_logprobs or [])
+            merged[key] = replace(choice, delta_text=seen.delta_text + choice.delta_text,
+                                  delta_token_ids=seen.delta_token_ids + choice.delta_token_ids,
+                                  delta_logprobs=logprobs)
+    return [(prompt_index, choice) for (prompt_index, _), choice in merged.items()]
 
 
 def _finish(generation: Generation, watcher: asyncio.Task[None]) -> None:
@@ -114,8 +125,8 @@ class _Reply:
 
     async def collect(self, generation: Generation, watcher: asyncio.Task[None]) -> Response:
         try:
-            async for prompt_index, output in generation:
-                self.finals[prompt_index] = output
+            async for ready in generation:
+                self.finals.update(ready)
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening
         except RequestFailed as exc:
@@ -131,9 +142,9 @@ class _Reply:
     async def stream(self, generation: Generation,
                      watcher: asyncio.Task[None]) -> AsyncIterator[str]:
         try:
-            async for prompt_index, output in generation:
-                self.finals[prompt_index] = output
-                for choice in output.outputs:
+            async for ready in generation:
+                self.finals.update(ready)
+                for prompt_index, choice in merge_deltas(ready):
                     chunk = self._delta_choice(prompt_index, choice)
                     if chunk is not None:
                         yield sse_event(self._response([chunk], None))

@@ -3,8 +3,9 @@
 Parsing never raises pydantic's ValidationError to the caller: `parse_completion_request`
 turns every problem into a `RequestError` naming the offending field, which the app answers
 with HTTP 400 in OpenAI's error shape. Checks that need the model (vocabulary size, the n cap)
-take a `Limits`; the context-length check needs the tokenized prompt and lives in
-`check_context_length`.
+take a `Limits`. Rules the engine owns (SamplingParams' values, the vocabulary, whether a
+request fits the context and the KV pool) are the engine's: the server translates their
+ValueErrors into 400s.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
     ValidationError
 
 from engine.core.request import MAX_LOGPROBS, SamplingParams
+from engine.output.tokenizer import check_token_ids
 
 MAX_STOP_STRINGS = 4
 LOGIT_BIAS_LIMIT = 100.0
@@ -179,7 +181,7 @@ def parse_prompt(prompt: Any, limits: Limits) -> list[str | list[int]]:
         raise RequestError(f"a request may hold at most {limits.max_prompts} prompts, got "
                            f"{len(prompts)}", param="prompt", code="too_many_prompts")
     for i, one in enumerate(prompts):
-        _check_one_prompt(one, i, limits.vocab_size)
+        _check_one_prompt(one, i)
     return prompts
 
 
@@ -187,7 +189,8 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_one_prompt(prompt: Any, index: int, vocab_size: int) -> None:
+def _check_one_prompt(prompt: Any, index: int) -> None:
+    """The prompt's form; its token ids are the engine's to check (Tokenizer.encode_prompt)."""
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError(f"prompt[{index}] must not be an empty string", param="prompt")
@@ -197,7 +200,6 @@ def _check_one_prompt(prompt: Any, index: int, vocab_size: int) -> None:
                            code="invalid_type")
     if not prompt:
         raise RequestError(f"prompt[{index}] must not be an empty token list", param="prompt")
-    check_tokens_in_vocab(prompt, vocab_size, param="prompt")
 
 
 def _check_stop(req: CompletionRequest, vocab_size: int) -> None:
@@ -230,21 +232,11 @@ def _parse_int(text: str) -> int | None:
 
 
 def check_tokens_in_vocab(tokens: list[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"{param} holds token id {bad}, outside the vocabulary "
-                           f"[0, {vocab_size})", param=param)
-
-
-def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """Worded like vLLM's error so clients that parse it keep working."""
-    total = num_prompt_tokens + max_tokens
-    if total > max_model_len:
-        raise RequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {total} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in "
-            "the completion). Please reduce the length of the prompt or completion.",
-            param="max_tokens", code="context_length_exceeded")
+    """The engine's vocabulary rule, as a 400 naming the field."""
+    try:
+        check_token_ids(tokens, vocab_size, param)
+    except ValueError as exc:
+        raise RequestError(str(exc), param=param) from None
 
 
 def to_sampling_params(req: CompletionRequest, vocab_size: int) -> SamplingParams:

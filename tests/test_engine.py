@@ -168,7 +168,7 @@ def test_failure_in_one_request_ends_it_with_an_error_and_spares_the_others(tiny
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     engine.add_request("bad", [1, 2, 3], params)
     engine.add_request("good", [4, 5, 6], params)
-    bad_stream = engine._groups["bad"].choices[0].stream
+    bad_stream = engine.processor._groups["bad"].choices[0].stream
 
     def broken(token_id, final):
         raise RuntimeError("detokenizer exploded")

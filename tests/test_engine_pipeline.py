@@ -60,7 +60,7 @@ def test_pipelined_engine_random_workloads(seed, num_blocks, budget, final_only,
             engine.add_request(f"r{step}", prompt, params)
             expected[f"r{step}"] = (reference_output(prompt, params.max_tokens), stop)
         if engine.has_unfinished_requests() and rng.random() < 0.05:
-            rid = rng.choice(sorted(engine._groups))
+            rid = rng.choice(sorted(engine.processor._groups))
             engine.abort(rid)
             aborted.add(rid)
         for out in engine.step():

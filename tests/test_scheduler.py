@@ -15,7 +15,7 @@ from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
 from engine.core.request import EOS_TOKEN_ID, Request, RequestStatus, SamplingParams
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, check_fits
 
 VOCAB = 97
 
@@ -251,3 +251,14 @@ def test_aborting_100k_queued_requests_is_fast_and_keeps_order():
     assert [r.request_id for r in scheduler.waiting][:3] == ["1", "3", "5"]
     scheduler.schedule()  # admits from the front, in order
     assert [r.request_id for r in scheduler.running] == ["1", "3", "5", "7"]
+
+
+def test_fit_rule_states_the_numbers():
+    check_fits(1000, 24, max_model_len=1024, pool_tokens=1024)  # exactly full is fine
+    with pytest.raises(ValueError, match="maximum context length is 1024") as info:
+        check_fits(1000, 25, max_model_len=1024, pool_tokens=4096)
+    assert "1025 tokens" in str(info.value) and "1000 in the prompt" in str(info.value)
+    with pytest.raises(ValueError, match="the whole pool holds 640"):
+        check_fits(600, 41, max_model_len=1024, pool_tokens=640)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        check_fits(0, 1, max_model_len=1024, pool_tokens=640)

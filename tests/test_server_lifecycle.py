@@ -11,9 +11,12 @@ import time
 import httpx
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.core.config import load_config
+from engine.core.engine_core import EngineCore
+from engine.output.tokenizer import Tokenizer
 from server.async_engine import AsyncEngine, RequestFailed
+from server.core_thread import CoreThread
 from server.protocol import RequestError
 from server_harness import ServerProcess, metric, wait_for
 
@@ -113,7 +116,7 @@ def test_queue_cap_answers_503_then_recovers(server, http):
 
 def test_sigterm_drains_in_flight_requests_then_exits(server, http):
     """Last in this module: it ends the server."""
-    body = {**LONG, "max_tokens": 300}
+    body = {**LONG, "max_tokens": 30}
     context, response = open_stream(http, body)
     lines = response.iter_lines()
     first = next(lines)
@@ -166,34 +169,43 @@ def test_sigterm_ends_unfinished_streams_with_an_error_within_the_timeout(tiny_c
 POISON = [13, 13, 13]
 
 
-class FaultyEngine:
-    """The real engine, plus faults on demand: a poisoned prompt, or a step that blows up."""
+class FaultyCore:
+    """The real engine core, plus faults on demand: a poisoned prompt, a step that blows up,
+    or a step that hangs."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
         self.explode = threading.Event()
         self.unwedged = threading.Event()  # clear it to hang the next step
         self.unwedged.set()
 
-    def add_request(self, request_id, prompt, params):
-        if prompt == POISON:
+    def add(self, request):
+        if request.prompt_token_ids == POISON:
             raise RuntimeError("poisoned prompt")
-        self.engine.add_request(request_id, prompt, params)
+        self.core.add(request)
 
     def step(self):
         if self.explode.is_set():
             raise RuntimeError("step blew up")
         self.unwedged.wait()
-        return self.engine.step()
+        return self.core.step()
 
     def __getattr__(self, name):
-        return getattr(self.engine, name)
+        return getattr(self.core, name)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    return LLMEngine(load_config(model=str(tiny_checkpoint), device="cpu", dtype="float32",
-                                 attention_backend="torch", num_kv_blocks=128))
+@pytest.fixture()
+def core(tiny_checkpoint):
+    return FaultyCore(EngineCore(load_config(
+        model=str(tiny_checkpoint), device="cpu", dtype="float32", attention_backend="torch",
+        num_kv_blocks=128)))
+
+
+def start_engine(core: FaultyCore, **kwargs) -> AsyncEngine:
+    """An AsyncEngine over the core in a thread (call inside the event loop)."""
+    async_engine = AsyncEngine(CoreThread(core), Tokenizer(), 16, **kwargs)
+    async_engine.start()
+    return async_engine
 
 
 async def _run(async_engine: AsyncEngine, request_id: str, prompt: list[int],
@@ -201,17 +213,15 @@ async def _run(async_engine: AsyncEngine, request_id: str, prompt: list[int],
     generation = async_engine.generate(request_id, [prompt], SamplingParams(
         max_tokens=max_tokens, temperature=0, ignore_eos=True))
     try:
-        await generation.accepted()
-        outputs = [output async for _, output in generation]
+        outputs = [output async for ready in generation for _, output in ready]
         return outputs[-1].text
     finally:
         generation.close()
 
 
-def _results(engine, coroutines_of, observe_output=lambda o, f: None):
+def _results(core, coroutines_of, observe_output=lambda o, f: None):
     async def main():
-        async_engine = AsyncEngine(FaultyEngine(engine), 16, observe_output=observe_output)
-        async_engine.start()
+        async_engine = start_engine(core, observe_output=observe_output)
         try:
             results = await asyncio.gather(*coroutines_of(async_engine),
                                            return_exceptions=True)
@@ -221,32 +231,31 @@ def _results(engine, coroutines_of, observe_output=lambda o, f: None):
     return asyncio.run(main())
 
 
-def test_a_failing_add_fails_only_that_request(engine):
-    results, async_engine = _results(engine, lambda ae: [
+def test_a_failing_add_fails_only_that_request(core):
+    results, _ = _results(core, lambda ae: [
         _run(ae, "good-a", [1, 2, 3]), _run(ae, "bad", POISON), _run(ae, "good-b", [4, 5])])
     assert isinstance(results[0], str) and isinstance(results[2], str)
     assert isinstance(results[1], RequestFailed) and "poisoned" in str(results[1])
-    assert not engine.has_unfinished_requests()
+    assert not core.has_unfinished()
 
 
-def test_a_failing_output_handler_fails_only_that_request(engine):
+def test_a_failing_output_handler_fails_only_that_request(core):
     def observe(output, first):
         if output.request_id.startswith("bad"):
             raise ValueError("cannot handle this output")
-    results, _ = _results(engine, lambda ae: [
+    results, _ = _results(core, lambda ae: [
         _run(ae, "good", [1, 2, 3]), _run(ae, "bad", [7, 8])], observe)
     assert isinstance(results[0], str)
     assert isinstance(results[1], RequestFailed) and "cannot handle" in str(results[1])
-    assert not engine.has_unfinished_requests()
+    assert not core.has_unfinished()
 
 
-def test_a_dying_loop_fails_requests_and_turns_unhealthy(engine):
+def test_a_dying_core_fails_requests_and_turns_unhealthy(core):
     async def scenario():
-        async_engine = AsyncEngine(FaultyEngine(engine), 16)
-        async_engine.start()
+        async_engine = start_engine(core)
         pending = asyncio.create_task(_run(async_engine, "victim", [1, 2], max_tokens=500))
         await asyncio.sleep(0.2)
-        async_engine.engine.explode.set()
+        core.explode.set()
         with pytest.raises(RequestFailed, match="blew up"):
             await pending
         assert not async_engine.healthy
@@ -255,28 +264,26 @@ def test_a_dying_loop_fails_requests_and_turns_unhealthy(engine):
         assert refused.value.status == 503
         await async_engine.stop(timeout=10)
     asyncio.run(scenario())
-    assert not engine.has_unfinished_requests()
 
 
-def test_watchdog_reports_a_wedged_engine_and_stop_does_not_wait_for_it(engine):
+def test_watchdog_reports_a_wedged_core_and_stop_does_not_wait_for_it(core):
     async def scenario():
-        async_engine = AsyncEngine(FaultyEngine(engine), 16, watchdog_timeout=0.3)
-        async_engine.start()
+        async_engine = start_engine(core, watchdog_timeout=0.3)
         assert async_engine.healthy  # idle: no step is owed
-        async_engine.engine.unwedged.clear()
+        core.unwedged.clear()
         pending = asyncio.create_task(_run(async_engine, "stuck", [1, 2], max_tokens=4))
         await asyncio.sleep(0.6)
         assert not async_engine.healthy and async_engine.step_age() > 0.3
-        async_engine.engine.unwedged.set()
+        core.unwedged.set()
         assert await pending
         assert async_engine.healthy
-        async_engine.engine.unwedged.clear()
+        core.unwedged.clear()
         wedged = asyncio.create_task(_run(async_engine, "wedged", [3], max_tokens=4))
         await asyncio.sleep(0.1)
         start = time.monotonic()
         await async_engine.stop(timeout=0.5)
         assert time.monotonic() - start < 1.0
-        async_engine.engine.unwedged.set()  # let the thread finish and fail the request
         with pytest.raises(RequestFailed, match="shutting down"):
             await wedged
+        core.unwedged.set()  # let the thread finish
     asyncio.run(scenario())

@@ -91,3 +91,11 @@ def test_incremental_detokenizer_pieces_equal_byte_decoding():
     for t in ids:
         assert detok.add(t) == reference.decode(tok.encoding.decode_single_token_bytes(t))
     assert detok.flush() == reference.decode(b"", final=True)
+
+
+@pytest.mark.parametrize("prompt,bad", [([-1], "-1"), ([50257], "50257"), ([3, True], "True"),
+                                        ([1, "a"], "'a'")])
+def test_prompt_token_ids_outside_the_vocabulary_are_refused(prompt, bad):
+    with pytest.raises(ValueError, match=f"prompt holds token id {bad}, outside the vocabulary"):
+        Tokenizer().encode_prompt(prompt)
+    assert Tokenizer().encode_prompt([0, 50256]) == [0, 50256]

@@ -64,6 +64,11 @@ class BlockManager:
         return len(self._free)
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens the whole pool holds: no request can be longer."""
+        return self.num_blocks * self.block_size
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks held by running requests (cached-but-free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks

@@ -37,6 +37,23 @@ from engine.core.config import SchedulerConfig
 from engine.core.request import Request, RequestStatus
 
 
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
+               pool_tokens: int) -> None:
+    """The one home of the rule a request must meet to be scheduled at all (the server checks
+    it before sending a request to the engine core). Raises ValueError saying why not."""
+    if num_prompt_tokens == 0:
+        raise ValueError("prompt is empty: it must hold at least one token")
+    need = num_prompt_tokens + max_tokens
+    if need > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {need} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+            "completion). Please reduce the length of the prompt or completion.")
+    if need > pool_tokens:
+        raise ValueError(f"this request needs {need} tokens of KV cache; the whole pool holds "
+                         f"{pool_tokens}")
+
+
 class WaitingQueue:
     """FCFS queue of requests with O(1) append, push to the front, pop, and removal by id
     (an abort of one of 100k queued requests must not scan the queue)."""
@@ -86,19 +103,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if not request.prompt_token_ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
-        n_prompt, n_out = len(request.prompt_token_ids), request.params.max_tokens
-        need, limit = n_prompt + n_out, self.config.max_model_len
-        if need > limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{need} tokens ({n_prompt} in the prompt, {n_out} in the completion). Please "
-                f"reduce the length of the prompt or completion.")
-        max_tokens = self.block_manager.num_blocks * self.block_manager.block_size
-        if need > max_tokens:
-            raise ValueError(f"request {request.request_id!r} needs {need} tokens of KV cache; "
-                             f"the whole pool holds {max_tokens}")
+        check_fits(len(request.prompt_token_ids), request.params.max_tokens,
+                   self.config.max_model_len, self.block_manager.num_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

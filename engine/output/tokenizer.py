@@ -79,6 +79,22 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.encoding.decode(token_ids, errors="replace")
 
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids: text is encoded, token ids are checked."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        check_token_ids(prompt, self.vocab_size, "prompt")
+        return list(prompt)
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
+    """The one home of the vocabulary rule; raises ValueError naming the first bad id."""
+    bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
+                or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{what} holds token id {bad!r}, outside the vocabulary "
+                         f"[0, {vocab_size})")
+
 
 
 class IncrementalDetokenizer:

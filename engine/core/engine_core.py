@@ -1,0 +1,134 @@
+"""EngineCore: the scheduler, the block manager and the model runner, stepped together. It
+knows sequences and token ids only; text, stop strings and the n choices of a request are the
+frontend's (engine/output/processor.py). It runs in the caller's process (offline `LLM`) or in
+a process of its own (the server, server/engine_process.py).
+
+    step():  schedule N+1 ─▶ launch N+1 ─▶ wait N ─▶ update N ─▶ StepOutput of N
+    device:  ──── step N ────────────────┘└──── step N+1 ─────────────────────
+
+Step N+1 is scheduled and launched before step N's tokens are waited for, so the host's work
+overlaps the device's (see Scheduler for the placeholders this needs). With async_scheduling
+off, each step is waited for and applied before step() returns.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from engine.core.block_manager import BlockManager
+from engine.core.config import EngineConfig
+from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
+                                  EngineStats, FromCore, SequenceFailed, SequenceOutput,
+                                  Shutdown, StepOutput, ToCore)
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner=None) -> None:
+        """`runner` defaults to a ModelRunner for the config; tests pass a fake with the same
+        `num_kv_blocks` and `launch(SchedulerOutput) -> pending with .wait()`."""
+        if runner is None:
+            from engine.worker.model_runner import ModelRunner  # torch lives behind this import
+
+            runner = ModelRunner(config)
+        self.config = config
+        self.runner = runner
+        self.block_manager = BlockManager(runner.num_kv_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self._in_flight = None  # (SchedulerOutput, pending result) of the launched step
+        self._num_sent: dict[str, int] = {}  # seq id -> output tokens already reported
+
+    def add(self, request: CoreRequest) -> None:
+        """Queue a sequence. Raises ValueError with a clear message on bad input."""
+        self.scheduler.add(Request(request.seq_id, request.prompt_token_ids, request.params,
+                                   arrival_time=request.arrival_time))
+        self._num_sent[request.seq_id] = 0
+
+    def abort(self, seq_ids: list[str]) -> None:
+        """Finish these sequences now and free their blocks. Unknown ids are ignored."""
+        for seq_id in seq_ids:
+            self.scheduler.finish(seq_id, RequestStatus.FINISHED_ABORTED)
+            self._num_sent.pop(seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def step(self) -> StepOutput:
+        scheduled = self.scheduler.schedule()
+        launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled))
+        to_finish = launched
+        if self.config.scheduler.async_scheduling:
+            to_finish, self._in_flight = self._in_flight, launched
+        if to_finish is None:
+            return StepOutput([], self.stats())
+        scheduled, pending = to_finish
+        result = pending.wait()
+        changed = self.scheduler.update(scheduled, result)
+        logprobs = dict(zip(result.request_ids, result.logprobs)) if any(result.logprobs) else {}
+        outputs = [out for request in changed
+                   if (out := self._output_of(request, logprobs.get(request.request_id)))]
+        return StepOutput(outputs, self.stats())
+
+    def _output_of(self, request: Request, token_logprobs) -> SequenceOutput | None:
+        """The tokens the frontend has not seen yet. A final_only sequence with nothing to
+        check per token (no stop strings, no logprobs) gets them all at its end: an offline
+        batch then costs no per-token message."""
+        seq_id, params = request.request_id, request.params
+        sent = self._num_sent.get(seq_id)
+        if sent is None:
+            return None  # aborted since it was scheduled
+        finished = request.status.is_finished
+        if (not finished and params.output_kind == "final_only" and not params.stop
+                and params.logprobs is None):
+            return None
+        new_tokens = request.output_token_ids[sent:]
+        if finished:
+            del self._num_sent[seq_id]
+        else:
+            self._num_sent[seq_id] = request.num_output_tokens
+        # a sequence with logprobs is never deferred: it reports its one token every step
+        logprobs = None if params.logprobs is None else [token_logprobs]
+        return SequenceOutput(seq_id, new_tokens, request.token_times[sent:], logprobs,
+                              request.finish_reason, request.stop_reason, request.finish_time,
+                              request.first_scheduled_time, request.num_cached_tokens)
+
+    def stats(self) -> EngineStats:
+        bm, scheduler = self.block_manager, self.scheduler
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), bm.usage,
+                           bm.prefix_queries, bm.prefix_hits, scheduler.num_preemptions,
+                           bm.num_free_blocks, bm.num_blocks)
+
+
+def run_core_loop(core: EngineCore, receive: Callable[[bool], list[ToCore]],
+                  send: Callable[[FromCore], None]) -> None:
+    """The core's loop, in a thread or a process of its own. Between steps it applies every
+    message that arrived (blocking for one when there is nothing to step), then steps and
+    sends the StepOutput: a steady stream of them is also the frontend's sign of life.
+    Returns on Shutdown; an exception from a step ends it with CoreFailed."""
+    try:
+        while True:
+            for message in receive(not core.has_unfinished()):
+                if isinstance(message, Shutdown):
+                    return
+                if isinstance(message, AbortSequences):
+                    core.abort(message.seq_ids)
+                else:
+                    _add_all(core, message, send)
+            if core.has_unfinished():
+                send(core.step())
+    except Exception as exc:  # the core's state is unknown now: stop
+        log.exception("engine core loop died")
+        send(CoreFailed(f"engine core died: {type(exc).__name__}: {exc}"))
+
+
+def _add_all(core: EngineCore, message: AddSequences, send: Callable[[FromCore], None]) -> None:
+    for seq in message.sequences:
+        try:
+            core.add(seq)
+        except Exception as exc:  # fails this sequence only
+            log.exception("adding sequence %s failed", seq.seq_id)
+            send(SequenceFailed(seq.seq_id, f"{type(exc).__name__}: {exc}"))

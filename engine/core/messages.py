@@ -1,0 +1,83 @@
+"""The messages between the engine core (scheduler + runner) and its frontend (tokenizing,
+detokenizing, stop strings, the HTTP server). The same objects travel in-process (offline
+`LLM`, a thread) and between processes (msgpack over ZMQ, `server/engine_process.py`):
+
+    frontend ──AddSequences / AbortSequences / Shutdown──▶ core loop
+    frontend ◀───StepOutput / SequenceFailed / CoreFailed─── core loop   one StepOutput per step
+
+msgspec Structs: typed, cheap to build (one per sequence per step), and encoded as arrays.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from engine.core.batch import TokenLogprobs
+from engine.core.request import SamplingParams
+
+
+class CoreRequest(msgspec.Struct, array_like=True, gc=False):
+    """One sequence to generate (a request with n choices is n of these)."""
+    seq_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
+    """What one step did to one sequence: the tokens it appended (more than one when it
+    finishes after deferring them, see EngineCore) with their times, and its end if it ended.
+    Times are time.monotonic(), one clock for every process of a host."""
+    seq_id: str
+    new_token_ids: list[int]
+    new_token_times: list[float]
+    new_logprobs: list[TokenLogprobs | None] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    finish_time: float | None
+    first_scheduled_time: float | None
+    num_cached_tokens: int
+
+
+class EngineStats(msgspec.Struct, array_like=True, gc=False):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+
+class StepOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
+    """One engine step's results, and the engine's state after it."""
+    outputs: list[SequenceOutput]
+    stats: EngineStats
+
+
+class CoreFailed(msgspec.Struct, array_like=True, tag=True):
+    """The core loop died; its state can no longer be trusted."""
+    message: str
+
+
+class SequenceFailed(msgspec.Struct, array_like=True, tag=True):
+    """The core could not take this sequence (a bug, not the client's input: the frontend
+    checks the input before sending it)."""
+    seq_id: str
+    message: str
+
+
+class AddSequences(msgspec.Struct, array_like=True, gc=False, tag=True):
+    sequences: list[CoreRequest]
+
+
+class AbortSequences(msgspec.Struct, array_like=True, gc=False, tag=True):
+    seq_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag=True):
+    pass
+
+
+ToCore = AddSequences | AbortSequences | Shutdown
+FromCore = StepOutput | SequenceFailed | CoreFailed

@@ -1,0 +1,184 @@
+"""OutputProcessor: from the engine core's token ids to what callers see. It owns a request's
+n choices (sequence "{id}#{i}" is choice i), their text (incremental detokenizing, stop
+strings) and their timings, and builds one RequestOutput per request that changed in a step.
+
+    StepOutput ──▶ process() ──▶ RequestOutputs
+                        └──▶ sequences a stop string ended: the caller aborts them in the core
+
+It runs beside the core (offline `LLM`) or in the API server's process (server/), so the
+per-token Python work never slows the engine core's step loop.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from engine.core.messages import CoreRequest, SequenceOutput, StepOutput
+from engine.core.request import RequestStatus, SamplingParams
+from engine.output.detokenize import TextStream
+from engine.output.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.output.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+ABORTED = RequestStatus.FINISHED_ABORTED.value
+
+
+class _Choice:
+    """Output state of one of a request's n sequences."""
+
+    def __init__(self, index: int, seq_id: str, params: SamplingParams,
+                 tokenizer: Tokenizer, arrival_time: float) -> None:
+        self.index = index
+        self.seq_id = seq_id
+        self.params = params
+        self.stream = TextStream(tokenizer, params.stop,
+                                 final_only=params.output_kind == "final_only")
+        self.output = CompletionOutput(index=index,
+                                       logprobs=[] if params.logprobs is not None else None)
+        self.metrics = RequestMetrics(arrival_time)
+
+    def snapshot(self) -> CompletionOutput:
+        """A copy the caller may keep while this choice goes on growing."""
+        out = self.output
+        return CompletionOutput(
+            out.index, out.text, list(out.token_ids),
+            None if out.logprobs is None else list(out.logprobs), out.finish_reason,
+            out.stop_reason, out.delta_text, out.delta_token_ids, out.delta_logprobs)
+
+    def metrics_snapshot(self) -> RequestMetrics:
+        m = self.metrics
+        return RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                              list(m.token_times), m.finish_time, m.num_cached_tokens)
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    choices: list[_Choice]
+    error: str | None = None  # set when handling this request's output raised
+
+    @property
+    def finished(self) -> bool:
+        return all(c.output.finish_reason is not None for c in self.choices)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [c.snapshot() for c in self.choices],
+                             [c.metrics_snapshot() for c in self.choices], self.error)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._groups: dict[str, _Group] = {}
+        self._choice_of: dict[str, tuple[_Group, _Choice]] = {}  # sequence id -> owner
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams, arrival_time: float) -> list[CoreRequest]:
+        """Track a request; returns its n sequences for the core. Choices of a seeded request
+        get distinct, still reproducible, seeds."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        group = _Group(request_id, prompt, prompt_token_ids, [])
+        sequences = []
+        for i in range(params.n):
+            seq_params = params if params.seed is None else replace(params, seed=params.seed + i)
+            seq_id = f"{request_id}#{i}"
+            group.choices.append(_Choice(i, seq_id, seq_params, self.tokenizer, arrival_time))
+            sequences.append(CoreRequest(seq_id, list(prompt_token_ids), seq_params,
+                                         arrival_time))
+        self._groups[request_id] = group
+        for choice in group.choices:
+            self._choice_of[choice.seq_id] = (group, choice)
+        return sequences
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget the request; returns its sequence ids, for the core to abort."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return []
+        for choice in group.choices:
+            self._choice_of.pop(choice.seq_id, None)
+        return [choice.seq_id for choice in group.choices]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    def process(self, step: StepOutput) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step. Returns the outputs of requests that changed, and the sequences to
+        abort in the core (a stop string ended them, or handling their output failed)."""
+        changed: dict[str, _Group] = {}
+        to_abort: list[str] = []
+        for seq in step.outputs:
+            owner = self._choice_of.get(seq.seq_id)
+            if owner is None:
+                continue  # aborted since its token was sampled
+            group, choice = owner
+            if choice.output.finish_reason is not None:
+                continue  # a stop string ended it; the core's abort is on its way
+            try:
+                self._apply(choice, seq, to_abort)
+            except Exception as err:  # one request's failure must not take down the others
+                log.exception("request %s failed while handling its output", group.request_id)
+                to_abort += self._fail(group, f"{type(err).__name__}: {err}")
+            if (choice.params.output_kind == "stream" or group.error is not None
+                    or group.finished):
+                changed[group.request_id] = group
+        return [self._emit(group) for group in changed.values()], to_abort
+
+    def _apply(self, choice: _Choice, seq: SequenceOutput, to_abort: list[str]) -> None:
+        metrics, out = choice.metrics, choice.output
+        metrics.first_scheduled_time = seq.first_scheduled_time
+        metrics.num_cached_tokens = seq.num_cached_tokens
+        ends = seq.finish_reason is not None
+        last = len(seq.new_token_ids) - 1
+        for i, token in enumerate(seq.new_token_ids):
+            logprobs = None if seq.new_logprobs is None else seq.new_logprobs[i]
+            self._apply_token(choice, token, logprobs, final=ends and i == last)
+            metrics.token_times.append(seq.new_token_times[i])
+            if choice.stream.stopped_by is not None:
+                break
+        if metrics.token_times and metrics.first_token_time is None:
+            metrics.first_token_time = metrics.token_times[0]
+        if choice.stream.stopped_by is not None:
+            # a stop string wins even when the same token also hit max_tokens (as in vLLM)
+            out.finish_reason = RequestStatus.FINISHED_STOPPED.value
+            out.stop_reason = choice.stream.stopped_by
+            metrics.finish_time = metrics.token_times[-1]
+            if not ends:
+                to_abort.append(choice.seq_id)
+        elif ends:
+            out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+            metrics.finish_time = seq.finish_time
+
+    def _apply_token(self, choice: _Choice, token: int, logprobs, final: bool) -> None:
+        out = choice.output
+        out.delta_text += choice.stream.add(token, final=final)
+        out.delta_token_ids.append(token)
+        out.token_ids.append(token)
+        if out.logprobs is not None and logprobs is not None:
+            out.logprobs.append(logprobs)
+            out.delta_logprobs = (out.delta_logprobs or []) + [logprobs]
+        out.text = choice.stream.text
+
+    def _fail(self, group: _Group, message: str) -> list[str]:
+        """End every choice of the group now; its output carries the error. Returns the
+        sequences the core must abort."""
+        group.error = message
+        for choice in group.choices:
+            if choice.output.finish_reason is None:
+                choice.output.finish_reason = ABORTED
+        return [choice.seq_id for choice in group.choices]
+
+    def _emit(self, group: _Group) -> RequestOutput:
+        """Snapshot the group's outputs, then reset the per-step deltas."""
+        output = group.to_output()
+        for choice in group.choices:  # the snapshot took the delta lists: start new ones
+            choice.output.delta_text = ""
+            choice.output.delta_token_ids = []
+            choice.output.delta_logprobs = None
+        if output.finished:  # a failed group is finished too: _fail ended every choice
+            self.abort(group.request_id)
+        return output
