@@ -13,10 +13,10 @@ install_torch() {
     fi
     if [ "$1" = cuda ]; then
         local index=${TORCH_CUDA_INDEX_URL-https://download.pytorch.org/whl/cu130}
-        pip install -q --retries 1 ${index:+--extra-index-url "$index"} \
+        pip install -q --retries 0 ${index:+--extra-index-url "$index"} \
             -c deploy/constraints.txt torch triton
     else
         local index=${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}
-        pip install -q --retries 1 ${index:+--index-url "$index"} "torch==2.13.0"
+        pip install -q --retries 0 ${index:+--index-url "$index"} "torch==2.13.0"
     fi
 }

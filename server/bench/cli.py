@@ -16,7 +16,12 @@ import asyncio
 import json
 import sys
 
-from server.bench import client, plots
+try:
+    from server.bench import client
+except ImportError as missing:  # httpx comes with the `bench` extra, not with the server
+    raise SystemExit(f"gpt2-bench needs {missing.name}: pip install 'gpt2-serve[bench]' "
+                     f"(or pip install -e '.[bench]' in a checkout)") from None
+from server.bench import plots
 from server.bench.metrics import SLO_METRICS, report, summarize
 from server.bench.workload import (SEED_STRIDE, Prompt, WorkloadError, arrival_offsets,
                                    jsonl_prompts, random_prompts, shared_prefix_prompts,

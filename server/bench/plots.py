@@ -27,8 +27,17 @@ def _pyplot():
 
 
 def _cdf(ax, values_s: list[float], label: str) -> None:
+    """The empirical CDF: a step up of 1/n at each sample."""
     ms = np.sort(np.array(values_s)) * 1000.0
-    ax.plot(ms, np.arange(1, len(ms) + 1) / max(len(ms), 1), label=label)
+    ax.step(ms, np.arange(1, len(ms) + 1) / max(len(ms), 1), where="post", label=label)
+
+
+def _plain_numbers(axis) -> None:
+    """Log-scale ticks as 600, not 6x10^2 (minor ones labelled only on a short range)."""
+    from matplotlib.ticker import LogFormatter
+
+    axis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
 
 
 def plot_cdfs(results: list[RequestResult], path: str | Path, title: str) -> None:
@@ -40,6 +49,7 @@ def plot_cdfs(results: list[RequestResult], path: str | Path, title: str) -> Non
     _cdf(itl_ax, [gap for r in done for gap in r.itl], "all gaps")
     for ax, name in ((ttft_ax, "TTFT (ms)"), (itl_ax, "ITL (ms)")):
         ax.set(xlabel=name, ylabel="fraction of samples", xscale="log", ylim=(0, 1.01))
+        _plain_numbers(ax.xaxis)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="lower right")
     fig.suptitle(title)
@@ -59,6 +69,7 @@ def plot_sweep(rate_labels: list[str], summaries: list[dict], path: str | Path,
             ax.plot(xs, [s[f"{stat}_{key}_ms"] for s in summaries], marker="o",
                     label="p50" if stat == "median" else "p99")
         ax.set(ylabel=name, yscale="log")
+        _plain_numbers(ax.yaxis)
     axes[2].plot(xs, [s["output_throughput"] for s in summaries], marker="o",
                  label="served")
     axes[2].set(ylabel="output tokens/s", ylim=(0, None))
