@@ -11,11 +11,10 @@ import argparse
 import dataclasses
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import uvicorn
-
-from pathlib import Path
 
 from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig, EngineConfig,
                                 ModelConfig, SchedulerConfig, flat_field_names, load_config)
