@@ -191,6 +191,12 @@ def test_sweep_with_two_workers_sends_distinct_prompts(server, tmp_path):
     assert out.count("Mean TTFT (ms):") == 2 and out.count("Client worker processes:") == 2
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert metric(server.url, "vllm:prefix_cache_hits_total", model_name="gpt2") == hits_before
+    replotted = tmp_path / "replotted.png"
+    proc = subprocess.run([sys.executable, "scripts/bench_serving.py", "--replot",
+                           str(tmp_path / "result.json"), "--plot", str(replotted)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert replotted.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_jsonl_run_with_cdf_plot(server, tmp_path):
@@ -206,3 +212,7 @@ def test_jsonl_run_with_cdf_plot(server, tmp_path):
     assert run["total_input_tokens"] >= 4 * 3  # from the server's usage: text prompts
     assert "P90 ITL (ms):" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    proc = subprocess.run([sys.executable, "scripts/bench_serving.py", "--replot",
+                           str(tmp_path / "result.json"), "--plot", str(tmp_path / "x.png")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not a --sweep-rates result" in proc.stderr

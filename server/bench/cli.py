@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 try:
     from server.bench import client
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", help="PNG: TTFT and ITL CDFs, or with --sweep-rates p50/p99 "
                         "TTFT and ITL and output tok/s against offered load")
     parser.add_argument("--result-file", help="write the settings and results as JSON")
+    parser.add_argument("--replot", metavar="RESULT_FILE", help="send nothing: draw --plot's "
+                        "sweep plot from the --result-file of an earlier --sweep-rates run "
+                        "(made where matplotlib was not installed)")
     parser.add_argument("--disable-tqdm", action="store_true")
     return parser
 
@@ -132,6 +136,9 @@ def run_rate(args: argparse.Namespace, target: client.Target, rate: float, run: 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.replot:
+        replot(parser, args)
+        return
     try:
         check_args(args)
         slos = parse_slos(args.goodput)
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
 def write_outputs(args: argparse.Namespace, model: str, rates: list[float], runs: list,
                   slos: dict[str, float]) -> None:
     labels = [f"{rate:g}" for rate in rates]
-    title = f"{model}, {args.dataset_name} {args.input_len} in / {args.output_len} out"
+    title = plot_title(model, vars(args))
     if args.plot and args.sweep_rates:
         plots.plot_sweep(labels, [summary for _, summary in runs], args.plot, title)
     elif args.plot:
@@ -178,6 +185,29 @@ def write_outputs(args: argparse.Namespace, model: str, rates: list[float], runs
             json.dump({"model": model, "settings": settings, "slos_ms": slos,
                        "runs": [summary for _, summary in runs]}, out, indent=2)
         print(f"wrote {args.result_file}")
+
+
+def plot_title(model: str, settings: dict) -> str:
+    return (f"{model}, {settings['dataset_name']} {settings['input_len']} in / "
+            f"{settings['output_len']} out")
+
+
+def replot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.plot:
+        parser.error("--replot needs --plot OUT.png")
+    plots.require_matplotlib()
+    try:
+        saved = json.loads(Path(args.replot).read_text())
+        runs, settings, title = saved["runs"], saved["settings"], plot_title(saved["model"],
+                                                                              saved["settings"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        parser.error(f"--replot {args.replot}: not a gpt2-bench result file ({exc})")
+    if not settings.get("sweep_rates"):
+        parser.error(f"--replot {args.replot}: not a --sweep-rates result (a single run's CDFs "
+                     f"need per-request times, which result files do not keep)")
+    labels = [f"{float(run['request_rate']):g}" for run in runs]
+    plots.plot_sweep(labels, runs, args.plot, title)
+    print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":
