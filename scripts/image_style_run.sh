@@ -39,12 +39,19 @@ start_server() {  # $1: log name. Sets SERVER; prints seconds from launch to rea
     python -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.1f}')" "$t0"
 }
 
+PLOT=(--plot "$OUT/$MODEL-sweep.png")
+if ! python -c "import matplotlib" 2>/dev/null; then
+    PLOT=()
+    echo "no matplotlib here: plot later with gpt2-bench --replot $OUT/$MODEL-sweep.json" \
+        "--plot $OUT/$MODEL-sweep.png" >&2
+fi
+
 start_server "$MODEL-cold" >"$CACHE/cold"
 echo "cold start (empty Triton cache): $(cat "$CACHE/cold") s"
 gpt2-bench --base-url "http://127.0.0.1:$PORT" --sweep-rates "$RATES" \
     --num-prompts "$NUM_PROMPTS" --num-workers 4 \
     --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-    --disable-tqdm --plot "$OUT/$MODEL-sweep.png" --result-file "$OUT/$MODEL-sweep.json" |
+    --disable-tqdm "${PLOT[@]}" --result-file "$OUT/$MODEL-sweep.json" |
     tee "$OUT/$MODEL-sweep.txt"
 kill -TERM "$SERVER" && wait "$SERVER" || true
 start_server "$MODEL-warm" >"$CACHE/warm"
