@@ -20,13 +20,36 @@ from typing import Any
 
 import uvicorn
 
-from engine.core.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig,
-                           SchedulerConfig, flat_field_names, load_config)
+from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig, EngineConfig,
+                                ModelConfig, SchedulerConfig, flat_field_names, load_config)
 from server.app import ServerSettings, create_app, version
-from server.engine_process import EngineProcess, EngineStartupError
+from server.engine_process import EngineProcess
 
 logger = logging.getLogger("gpt2serve")
 CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
+PRESET_DIR = Path(__file__).resolve().parents[1] / "configs"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+ENGINE_FLAG_HELP = {
+    "model": "HF hub id (gpt2, gpt2-xl, ...) or a local HF directory",
+    "dtype": "weights and activations; auto: float16 on cuda, float32 on cpu",
+    "device": "auto: cuda when available",
+    "attention_backend": "auto: triton on cuda, torch on cpu",
+    "enforce_eager": "run every step eagerly (no CUDA graphs)",
+    "mixed_step_graphs": "also capture steps with prompt tokens as CUDA graphs",
+    "seed": "seed of requests that set none",
+    "block_size": "tokens per KV-cache block",
+    "num_kv_blocks": "KV-cache blocks (default: sized from free memory)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use, KV cache included",
+    "cpu_kv_cache_bytes": "KV-cache bytes on CPU when --num-kv-blocks is not given",
+    "enable_prefix_caching": "share KV blocks between prompts with a common prefix",
+    "max_num_seqs": "requests running at once",
+    "max_num_batched_tokens": "token budget of one forward pass",
+    "max_model_len": "prompt + output tokens of one request (at most 1024)",
+    "async_scheduling": "schedule step N+1 while step N runs on the device",
+}
+ENGINE_FLAG_CHOICES = {"dtype": DTYPES, "device": DEVICES,
+                       "attention_backend": ATTENTION_BACKENDS,
+                       "block_size": tuple(2 ** i for i in range(11))}
 
 
 def _config_fields() -> dict[str, dataclasses.Field[Any]]:
@@ -40,21 +63,23 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in _config_fields().items():
         flag = "--" + name.replace("_", "-")
         default = field.default if field.default is not dataclasses.MISSING else None
-        help_text = f"default: {default}"
+        help_text = f"{ENGINE_FLAG_HELP.get(name, name.replace('_', ' '))} (default: {default})"
         kind = str(field.type)
         if kind == "bool":
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                default=None, help=help_text)
             continue
         parse = int if "int" in kind else float if "float" in kind else str
-        group.add_argument(flag, dest=name, type=parse, default=None, help=help_text)
+        group.add_argument(flag, dest=name, type=parse, default=None, help=help_text,
+                           choices=ENGINE_FLAG_CHOICES.get(name))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2-serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML preset from configs/ (sections model, cache, "
-                        "scheduler)")
+    parser.add_argument("--config", help="YAML preset (sections model, cache, scheduler); "
+                        "default: configs/<model name>.yaml when the model's last path "
+                        "component names one (gpt2, gpt2-xl, ...)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", help="the name clients send as `model` "
@@ -76,14 +101,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes")
     parser.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between throughput log lines (0: off)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                        help="debug also prints the traceback of a startup failure")
     _add_engine_flags(parser)
     return parser
 
 
+def preset_for(model: str | None) -> Path | None:
+    """configs/gpt2-xl.yaml for `gpt2-xl`, `openai-community/gpt2-xl` or `/models/gpt2-xl`."""
+    if not model:
+        return None
+    preset = PRESET_DIR / f"{Path(model).name.lower()}.yaml"
+    return preset if preset.is_file() else None
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     overrides = {name: getattr(args, name) for name in flat_field_names()}
-    return load_config(args.config, **overrides)
+    path = args.config or preset_for(args.model or ModelConfig.model)
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    if path is not None and not args.config:
+        logger.info("config: %s (picked from the model name; --config overrides)", path)
+    return load_config(path, **overrides)
+
+
+def exit_on_startup_error(exc: Exception, log_level: str) -> None:
+    """One line naming the cause and a non-zero exit; the traceback only at debug level."""
+    if log_level == "debug":
+        raise exc
+    cause = " ".join(str(exc).split()) or type(exc).__name__
+    sys.exit(f"gpt2-serve: error: {cause}")
 
 
 def _log_startup(core: EngineProcess, config: EngineConfig, args: argparse.Namespace,
@@ -113,12 +160,9 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config_from_args(args)
-    except ConfigError as exc:
-        sys.exit(f"gpt2-serve: {exc}")
-    try:
         core = EngineProcess(config)
-    except EngineStartupError as exc:
-        sys.exit(f"gpt2-serve: the engine could not start: {exc}")
+    except Exception as exc:  # noqa: BLE001 - every startup failure gets the same one line
+        exit_on_startup_error(exc, args.log_level)
     model_name = args.served_model_name or served_name_of(config.model.model)
     _log_startup(core, config, args, model_name)
     settings = ServerSettings(
@@ -129,9 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(core, settings)
     # uvicorn waits a little past the timeout: the app ends open streams at the timeout
     # itself, and they need a moment to send their error event and [DONE]
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout + STREAM_END_GRACE)
-    _Server(config, app.state.begin_shutdown).run()
+    server_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout + STREAM_END_GRACE)
+    _Server(server_config, app.state.begin_shutdown).run()
 
 
 STREAM_END_GRACE = 1.0  # seconds

@@ -148,7 +148,7 @@ def _core_main(config: EngineConfig, to_core: str, from_core: str, report: Conne
     try:
         core = EngineCore(config)
     except Exception as exc:
-        report.send(("error", f"{type(exc).__name__}: {exc}"))
+        report.send(("error", str(exc) or type(exc).__name__))
         raise SystemExit(1) from None
     runner = core.runner
     report.send(("ready", dict(

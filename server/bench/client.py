@@ -1,0 +1,172 @@
+"""Send a workload from N worker processes and merge what they saw.
+
+The parent draws the whole schedule (prompts and send times), deals it round-robin to the
+workers, and starts them on one shared `time.monotonic()` instant once every worker has
+imported and connected, so N workers send the same Poisson schedule one would. Each worker
+reports its own CPU time, so a run shows whether the load generator kept up.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+
+import httpx
+from tqdm import tqdm
+
+from server.bench.metrics import RequestResult
+from server.bench.workload import Prompt
+
+START_SLACK_S = 0.05  # between "all workers ready" and the first send
+
+
+@dataclass(frozen=True)
+class Target:
+    base_url: str
+    model: str
+    api_key: str | None = None
+
+    def client(self, **kwargs) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.AsyncClient(base_url=self.base_url, headers=headers, **kwargs)
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    target: Target
+    prompts: list[Prompt]
+    offsets: list[float]  # send times, seconds after the shared start
+    max_concurrency: int | None
+
+
+@dataclass
+class WorkerOutcome:
+    results: list[RequestResult]
+    cpu_percent: float  # this process's CPU time over its wall time while sending
+
+
+async def send_one(client: httpx.AsyncClient, model: str, prompt: Prompt) -> RequestResult:
+    body = {"model": model, "prompt": prompt.prompt, "max_tokens": prompt.output_len,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    result = RequestResult(start=time.monotonic())
+    usage = {}
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread())[:200]
+                result.error = f"HTTP {response.status_code}: {text!r}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    usage = chunk.get("usage") or usage
+                    if chunk.get("choices"):
+                        result.chunk_times.append(time.monotonic())
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.end = time.monotonic()
+    fallback_prompt_len = len(prompt.prompt) if isinstance(prompt.prompt, list) else 0
+    result.prompt_tokens = usage.get("prompt_tokens", fallback_prompt_len)
+    result.output_tokens = usage.get("completion_tokens", len(result.chunk_times))
+    if not result.error and not result.chunk_times:
+        result.error = "the stream carried no output"
+    return result
+
+
+async def _send_all(job: WorkerJob, start: float, done_counter) -> list[RequestResult]:
+    limit = asyncio.Semaphore(job.max_concurrency or len(job.prompts) or 1)
+    timeout = httpx.Timeout(None, connect=30.0)
+    connections = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with job.target.client(timeout=timeout, limits=connections) as client:
+
+        async def one(prompt: Prompt, offset: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+            async with limit:
+                result = await send_one(client, job.target.model, prompt)
+            with done_counter.get_lock():
+                done_counter.value += 1
+            return result
+
+        return await asyncio.gather(*(one(p, t) for p, t in zip(job.prompts, job.offsets)))
+
+
+def _worker(job: WorkerJob, conn, done_counter) -> None:
+    conn.send("ready")
+    start = conn.recv()
+    time.sleep(max(0.0, start - time.monotonic()))
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    results = asyncio.run(_send_all(job, start, done_counter))
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    conn.send(WorkerOutcome(results, 100.0 * cpu / max(wall, 1e-9)))
+    conn.close()
+
+
+def run_workers(target: Target, prompts: list[Prompt], offsets: list[float], num_workers: int,
+                max_concurrency: int | None,
+                show_progress: bool) -> tuple[list[RequestResult], float, list[float]]:
+    """Returns every request's result (in schedule order), the shared start instant, and each
+    worker's CPU use in percent of one core. --max-concurrency is split evenly over workers."""
+    per_worker = math.ceil(max_concurrency / num_workers) if max_concurrency else None
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads or event loop
+    done_counter = ctx.Value("i", 0)
+    workers, conns = [], []
+    for w in range(num_workers):
+        job = WorkerJob(target, prompts[w::num_workers], offsets[w::num_workers], per_worker)
+        parent_end, child_end = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(job, child_end, done_counter), daemon=True)
+        proc.start()
+        workers.append(proc)
+        conns.append(parent_end)
+    try:
+        for w, conn in enumerate(conns):
+            try:
+                conn.recv()  # "ready"
+            except EOFError:
+                raise RuntimeError(f"client worker {w} failed to start") from None
+        start = time.monotonic() + START_SLACK_S
+        for conn in conns:
+            conn.send(start)
+        outcomes = _collect(conns, len(prompts), done_counter, show_progress)
+    finally:
+        for proc in workers:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    results: list[RequestResult] = [None] * len(prompts)  # type: ignore[list-item]
+    for w, outcome in enumerate(outcomes):
+        results[w::num_workers] = outcome.results
+    return results, start, [o.cpu_percent for o in outcomes]
+
+
+def _collect(conns, total: int, done_counter, show_progress: bool) -> list[WorkerOutcome]:
+    outcomes: dict[int, WorkerOutcome] = {}
+    with tqdm(total=total, disable=not show_progress, unit="req") as bar:
+        while len(outcomes) < len(conns):
+            for w, conn in enumerate(conns):
+                if w not in outcomes and conn.poll(0.1):
+                    try:
+                        outcomes[w] = conn.recv()
+                    except EOFError:
+                        raise RuntimeError(f"client worker {w} exited without results") from None
+            bar.update(done_counter.value - bar.n)
+    return [outcomes[w] for w in range(len(conns))]
+
+
+async def warm_up(target: Target, prompt: list[int]) -> None:
+    async with target.client(timeout=httpx.Timeout(None, connect=30.0)) as client:
+        result = await send_one(client, target.model, Prompt(prompt, 4))
+    if not result.ok:
+        raise RuntimeError(f"warm-up request failed: {result.error}")
+
+
+async def served_model(base_url: str, api_key: str | None) -> str:
+    """The first model /v1/models lists."""
+    async with Target(base_url, "", api_key).client(timeout=30.0) as client:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]

@@ -1,0 +1,89 @@
+"""`gpt2-serve`'s command line: one-line startup errors, flag help and choices, and the preset
+picked from the model's name."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.core.config import flat_field_names
+from server.__main__ import (ENGINE_FLAG_HELP, PRESET_DIR, build_parser,
+                             engine_config_from_args, preset_for)
+from server.healthcheck import DEFAULT_PORT
+from server_harness import ROOT
+
+
+def serve(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # an unknown hub id fails fast, offline
+    return subprocess.run([sys.executable, "-m", "server", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+STARTUP_FAILURES = [
+    (["--config", "missing.yaml"], "gpt2-serve: error: --config missing.yaml: no such file"),
+    (["--model", "/no/such/dir"], "gpt2-serve: error: model directory '/no/such/dir' does "
+                                  "not exist"),
+    (["--model", "gpt2-xxl"], "gpt2-serve: error: model 'gpt2-xxl' is not a local directory "
+                              "and could not be fetched from the HF hub"),
+    (["--max-model-len", "5000"], "gpt2-serve: error: invalid config: max_model_len=5000"),
+]
+if not torch.cuda.is_available():
+    STARTUP_FAILURES.append((["--device", "cuda"], "gpt2-serve: error: device='cuda' was "
+                                                   "asked for but CUDA is not available"))
+
+
+@pytest.mark.parametrize("argv, line", STARTUP_FAILURES)
+def test_startup_failure_is_one_line(argv, line, tiny_checkpoint):
+    if "--model" not in argv:
+        argv = ["--model", str(tiny_checkpoint), *argv]
+    proc = serve(*argv)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(line), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_debug_log_level_shows_the_traceback(tiny_checkpoint):
+    proc = serve("--model", str(tiny_checkpoint), "--config", "missing.yaml",
+                 "--log-level", "debug")
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "FileNotFoundError" in proc.stderr
+
+
+def test_every_engine_flag_has_help_and_choices_where_closed():
+    assert set(ENGINE_FLAG_HELP) == set(flat_field_names())
+    text = build_parser().format_help()
+    for name, help_text in ENGINE_FLAG_HELP.items():
+        assert "--" + name.replace("_", "-") in text
+        assert help_text.split()[0] in text
+    assert "{float32,float16,bfloat16,auto}" in text and "{cpu,cuda,auto}" in text
+    assert "{torch,triton,auto}" in text and "{debug,info,warning,error,critical}" in text
+    proc = serve("--dtype", "fp8")
+    assert proc.returncode == 2 and "invalid choice: 'fp8'" in proc.stderr
+
+
+@pytest.mark.parametrize("model, preset", [
+    ("gpt2-xl", "gpt2-xl"), ("openai-community/gpt2-xl", "gpt2-xl"),
+    ("/models/gpt2-medium", "gpt2-medium"), ("GPT2-Large", "gpt2-large"),
+    ("checkpoints/gpt2-random", None), ("/tmp/tiny", None)])
+def test_preset_follows_the_model_name(model, preset):
+    assert preset_for(model) == (PRESET_DIR / f"{preset}.yaml" if preset else None)
+
+
+def test_model_flag_alone_gets_its_preset_and_config_wins():
+    parse = build_parser().parse_args
+    xl = engine_config_from_args(parse(["--model", "/models/gpt2-xl"]))
+    assert xl.model.model == "/models/gpt2-xl"
+    assert xl.scheduler.max_num_seqs == 128  # configs/gpt2-xl.yaml; the default is 256
+    explicit = engine_config_from_args(parse(["--model", "gpt2-xl", "--config",
+                                              str(PRESET_DIR / "tiny-cpu.yaml")]))
+    assert explicit.scheduler.max_num_seqs == 32 and explicit.model.device == "cpu"
+    default = engine_config_from_args(parse([]))
+    assert default.model.model == "gpt2" and default.cache.gpu_memory_utilization == 0.9
+
+
+def test_healthcheck_default_port_is_the_servers():
+    assert build_parser().get_default("port") == DEFAULT_PORT
