@@ -1,0 +1,49 @@
+"""The one interface every proposer meets, and what it sees of a request.
+
+Host proposers (n-gram lookup, the benchmarks' oracle) run in the scheduler when it builds a
+step: a speculating request is never scheduled ahead, so all its tokens are known then.
+
+    schedule():  context = DraftContext(request)   drafts = proposer.propose(context)
+                 step holds [last token, d1 .. dk]  (k + 1 positions verified together)
+
+A draft model is the one proposer that needs the device: it implements the same `propose`
+per request in spirit, but batched inside the runner after the target's sampling (its KV in
+a pool indexed by the target's block tables), handing its drafts and their probabilities q
+to the next step; docs/speculative.md describes that slot. Host proposers' q is one-hot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class DraftContext:
+    """A read-only view of one request at schedule time. The token lists are the request's
+    own (not copies): a proposer reads what it needs, so a step costs O(new tokens)."""
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    max_drafts: int  # k, cut so that accepted drafts and the bonus fit max_tokens and context
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, position: int) -> int:
+        num_prompt = len(self.prompt_token_ids)
+        if position < num_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - num_prompt]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return [self.token_at(p) for p in range(start, end)]
+
+
+class Proposer(Protocol):
+    def propose(self, context: DraftContext) -> list[int]:
+        """Up to context.max_drafts guesses of the tokens after context's last token (fewer,
+        or none, when the proposer has no guess)."""
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state: the request finished, or its id is about to be reused."""
