@@ -4,6 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from engine.spec.ngram import NgramProposer
 from engine.spec.oracle import OracleProposer
+from engine.core.request import Request, SamplingParams
 from engine.spec.proposer import DraftContext
 
 
@@ -121,3 +122,21 @@ def test_oracle_forgets_released_requests():
     oracle.add("r", [1, 2, 3])
     oracle.release("r")
     assert oracle.propose(context([1])) == []
+
+
+@pytest.mark.parametrize("prompt_len, outputs, max_tokens, max_model_len, expected", [
+    (10, 0, 100, 1024, 4),  # room everywhere: k
+    (10, 97, 100, 1024, 2),  # 3 tokens left: 2 drafts + the next token
+    (10, 99, 100, 1024, 0),  # the last token: a plain step
+    (1018, 2, 100, 1024, 3),  # context 1020 of 1024: 3 drafts + the next token
+])
+def test_draft_context_cuts_k_to_what_the_request_may_still_emit(prompt_len, outputs,
+                                                                 max_tokens, max_model_len,
+                                                                 expected):
+    request = Request("r", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+    for token in range(outputs):
+        request.append_output_token(token)
+    view = DraftContext.of(request, k=4, max_model_len=max_model_len)
+    assert view.max_drafts == expected
+    assert view.num_tokens == prompt_len + outputs
+    assert view.output_token_ids is request.output_token_ids  # a view, not a copy

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from engine.core.request import Request
+
 
 @dataclass(frozen=True, slots=True)
 class DraftContext:
@@ -25,6 +27,15 @@ class DraftContext:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     max_drafts: int  # k, cut so that accepted drafts and the bonus fit max_tokens and context
+
+    @classmethod
+    def of(cls, request: Request, k: int, max_model_len: int) -> DraftContext:
+        """The request at schedule time (all its tokens known), with k cut so that its
+        accepted drafts plus the step's next token fit max_tokens and the context."""
+        room = min(request.params.max_tokens - request.num_output_tokens,
+                   max_model_len - request.num_tokens) - 1
+        return cls(request.request_id, request.prompt_token_ids, request.output_token_ids,
+                   max(0, min(k, room)))
 
     @property
     def num_tokens(self) -> int:
