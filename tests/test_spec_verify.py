@@ -63,6 +63,20 @@ def test_one_hot_drafts_emit_what_the_plain_sampler_draws():
     assert 0 < out.num_accepted.sum() < rows * k
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_padding_past_a_rows_drafts_is_ignored(dense):
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 4, 8, generator=gen)
+    q = torch.softmax(torch.randn(3, 3, 8, generator=gen), -1) if dense else None
+    drafts = logits[:, :3].argmax(-1)
+    num_drafts = torch.tensor([3, 1, 0])
+    seeds = torch.randint(0, 2 ** 62, (3, 4), generator=gen)
+    args = (num_drafts, torch.full((3,), 0.5), seeds, q)
+    padded = torch.where(torch.arange(3) < num_drafts[:, None], drafts, NO_TOKEN)
+    assert torch.equal(verify(logits, padded, *args).token_ids,
+                       verify(logits, drafts, *args).token_ids)
+
+
 def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
     """Pearson's test: P(chi2 with len - 1 degrees of freedom >= the statistic)."""
     statistic = ((observed - expected) ** 2 / expected).sum()

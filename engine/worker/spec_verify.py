@@ -65,7 +65,7 @@ def verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
            draft_probs: torch.Tensor | None = None,
            draw: Callable[..., torch.Tensor] = layers.sample) -> Verified:
     """target_logits [R, k + 1, V]; draft_token_ids [R, k] int64 (a row's first num_drafts
-    count, the rest are ignored); num_drafts [R] int64 in [0, k]; temperature [R] (0: greedy);
+    count, the rest are ignored: any padding, NO_TOKEN included); num_drafts [R] int64 in [0, k]; temperature [R] (0: greedy);
     seeds [R, k + 1] int64 >= 0, one per position; draft_probs [R, k, V] or None (one-hot
     drafts); draw: the device's Gumbel-max op (`Ops.sample`)."""
     rows, width, vocab = target_logits.shape
@@ -100,8 +100,9 @@ def _probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 def _dense_accepts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor,
                    temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     """u q(d) < p(d) per draft position: true with probability min(1, p(d) / q(d))."""
-    p = _probs(logits[:, :-1], temperature).gather(2, drafts[..., None]).squeeze(2)
-    q = draft_probs.float().gather(2, drafts[..., None]).squeeze(2)
+    index = drafts.clamp(min=0)[..., None]  # padding past a row's drafts may be negative
+    p = _probs(logits[:, :-1], temperature).gather(2, index).squeeze(2)
+    q = draft_probs.float().gather(2, index).squeeze(2)
     return accept_uniforms(seeds[:, :-1]) * q < p
 
 
