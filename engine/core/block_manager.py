@@ -124,10 +124,10 @@ class BlockManager:
         return True
 
     def shrink(self, request_id: str, num_tokens: int) -> None:
-        """Cut the request's table to cover num_tokens (no-op if it covers no more), releasing
-        the blocks wholly past them (a speculative step's rejected drafts). Those blocks were never full of computed
-        tokens, so they hold no cached prefix: they go to the front of the free queue, to be
-        reused before any cached block is evicted."""
+        """Cut the request's table to cover num_tokens (no-op if it covers no more),
+        releasing the blocks wholly past them (a speculative step's rejected drafts). Those
+        blocks were never full of computed tokens, so they hold no cached prefix: they go to
+        the front of the free queue, to be reused before any cached block is evicted."""
         entry = self._requests[request_id]
         if num_tokens < len(entry.keys) * self.block_size:
             raise ValueError(f"cannot shrink {request_id} to {num_tokens} tokens: its first "

@@ -65,9 +65,10 @@ def verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
            draft_probs: torch.Tensor | None = None,
            draw: Callable[..., torch.Tensor] = layers.sample) -> Verified:
     """target_logits [R, k + 1, V]; draft_token_ids [R, k] int64 (a row's first num_drafts
-    count, the rest are ignored: any padding, NO_TOKEN included); num_drafts [R] int64 in [0, k]; temperature [R] (0: greedy);
-    seeds [R, k + 1] int64 >= 0, one per position; draft_probs [R, k, V] or None (one-hot
-    drafts); draw: the device's Gumbel-max op (`Ops.sample`)."""
+    count; any padding after them, NO_TOKEN included, is ignored); num_drafts [R] int64 in
+    [0, k]; temperature [R] (0: greedy); seeds [R, k + 1] int64 >= 0, one per position;
+    draft_probs [R, k, V] or None (one-hot drafts); draw: the device's Gumbel-max op
+    (`Ops.sample`)."""
     rows, width, vocab = target_logits.shape
     logits = target_logits.float()
     temperature = temperature.float()
