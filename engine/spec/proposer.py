@@ -41,14 +41,12 @@ class DraftContext:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_at(self, position: int) -> int:
-        num_prompt = len(self.prompt_token_ids)
-        if position < num_prompt:
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - num_prompt]
-
     def tokens(self, start: int, end: int) -> list[int]:
-        return [self.token_at(p) for p in range(start, end)]
+        """Tokens at positions [start, end) of prompt + output, slicing each list once."""
+        num_prompt = len(self.prompt_token_ids)
+        return (list(self.prompt_token_ids[start:min(end, num_prompt)])
+                + list(self.output_token_ids[max(start - num_prompt, 0):
+                                             max(end - num_prompt, 0)]))
 
 
 class Proposer(Protocol):
