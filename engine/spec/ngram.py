@@ -13,8 +13,8 @@ tokens; a proposal is as many dict look-ups plus a k-token slice. So a step cost
 O((max - min + 1) * max) per request whatever the context length, and a prompt of L tokens
 is indexed once, O(L (max - min + 1) max), at its first proposal. Memory: a copy of the
 tokens and up to (max - min + 1) index entries per position. Measured on the dev CPU (two
-busy cores), [2, 4]: about 14 us per request per step at 2000 tokens of context, and 1-6 ms
-to index a 1000-token prompt once.
+shared cores), [2, 4]: 4-9 us per request per step at up to 2000 tokens of context, and about
+1-2 ms to index a 1000-token prompt once.
 """
 from __future__ import annotations
 
