@@ -112,3 +112,78 @@ def test_random_operations_keep_invariants(num_blocks, block_size, seed):
         bm.free(rid)
     bm.check_invariants()
     assert bm.num_free_blocks == num_blocks
+
+
+def test_shrink_releases_the_blocks_past_the_kept_tokens():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    admit_prompt(bm, "a", list(range(5)))  # blocks for 5 tokens: 2
+    assert bm.grow("a", 5 + 1 + 6)  # a speculative step: 12 tokens, 3 blocks
+    table = bm.block_ids("a")
+    bm.shrink("a", 7)  # 2 drafts accepted of 6
+    assert bm.block_ids("a") == table[:2]
+    assert bm.num_free_blocks == 6
+    bm.check_invariants()
+    # the released block is the next one handed out, ahead of older free blocks
+    assert bm.grow("a", 9) and bm.block_ids("a") == table
+
+
+def test_shrink_keeps_cached_blocks_cached_and_reuses_empty_ones_first():
+    bm = BlockManager(num_blocks=5, block_size=2)
+    admit_prompt(bm, "old", [9, 9, 9])
+    bm.cache_full_blocks("old", [9, 9, 9], 3)
+    cached_block = bm.block_ids("old")[0]
+    bm.free("old")  # its first block stays in the prefix cache, free
+    admit_prompt(bm, "a", [1, 2, 3])
+    assert bm.grow("a", 7)
+    bm.shrink("a", 4)
+    assert bm.grow("a", 6)  # takes the block shrink released, not the cached one
+    assert bm.find_cached_prefix([9, 9, 9]) == [cached_block]
+    bm.check_invariants()
+
+
+def test_shrink_refuses_to_cut_into_hashed_blocks():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    tokens = [1, 2, 3, 4, 5]
+    admit_prompt(bm, "a", tokens)
+    bm.cache_full_blocks("a", tokens, 4)
+    bm.shrink("a", 4)  # the hashed blocks end at 4: allowed
+    with pytest.raises(ValueError, match="hashed"):
+        bm.shrink("a", 3)
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_blocks=st.integers(2, 16), block_size=st.sampled_from([1, 2, 4]),
+       k=st.integers(1, 6), seed=st.integers(0, 10**6))
+def test_speculative_grow_and_shrink_keep_invariants(num_blocks, block_size, k, seed):
+    """Requests decode by speculation: grow for the last token plus k drafts, keep the
+    accepted ones plus one, cache full blocks, shrink; afterwards a request's table covers its
+    computed tokens and no more than all its tokens, and freeing everything returns every
+    block."""
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks, block_size)
+    live: dict[str, list[int]] = {}  # id -> tokens, all but the last computed
+    for step in range(60):
+        if rng.random() < 0.3:
+            tokens = [rng.randrange(3) for _ in range(rng.randint(1, 8))]
+            cached = bm.find_cached_prefix(tokens)
+            if bm.admit(f"r{step}", tokens, cached, len(tokens) - len(cached) * block_size):
+                live[f"r{step}"] = tokens
+        elif live and rng.random() < 0.8:
+            rid = rng.choice(sorted(live))
+            tokens = live[rid]
+            if bm.grow(rid, len(tokens) + k):
+                tokens += [rng.randrange(3) for _ in range(rng.randint(1, k + 1))]
+                bm.cache_full_blocks(rid, tokens, len(tokens) - 1)
+                bm.shrink(rid, len(tokens))
+                # covers the computed tokens; no block wholly past the last (uncomputed) one
+                table = bm.block_ids(rid)
+                assert bm.blocks_needed(len(tokens) - 1) <= len(table)
+                assert len(table) <= bm.blocks_needed(len(tokens))
+        elif live:
+            rid = rng.choice(sorted(live))
+            bm.free(rid)
+            del live[rid]
+        bm.check_invariants()
+    for rid in live:
+        bm.free(rid)
+    assert bm.num_free_blocks == num_blocks

@@ -128,6 +128,25 @@ class BlockManager:
         entry.block_ids += tuple(self._pop_free() for _ in range(max(fresh, 0)))
         return True
 
+    def shrink(self, request_id: str, num_tokens: int) -> None:
+        """Cut the request's table to cover num_tokens (no-op if it covers no more),
+        releasing the blocks wholly past them (a speculative step's rejected drafts). Those
+        blocks were never full of computed tokens, so they hold no cached prefix: they go to
+        the front of the free queue, to be reused before any cached block is evicted."""
+        entry = self._requests[request_id]
+        if num_tokens < len(entry.keys) * self.block_size:
+            raise ValueError(f"cannot shrink {request_id} to {num_tokens} tokens: its first "
+                             f"{len(entry.keys)} blocks are full and hashed; later tokens would "
+                             "overwrite their KV")
+        keep = self.blocks_needed(num_tokens)
+        for block_id in reversed(entry.block_ids[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+        entry.block_ids = entry.block_ids[:keep]
+
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register every block whose tokens are all computed, so later requests can share it."""
         if not self.enable_prefix_caching:

@@ -3,11 +3,13 @@
     EngineConfig
       ├── model:     ModelConfig       which checkpoint, dtype, device, attention backend
       ├── cache:     CacheConfig       block size, pool size, prefix caching
-      └── scheduler: SchedulerConfig   token budget, sequence cap, context length
+      ├── scheduler: SchedulerConfig   token budget, sequence cap, context length
+      └── speculative: SpeculativeConfig | None   proposer and draft length (None: off)
 
 Presets live in `configs/*.yaml` (nested by section); `load_config(path, overrides)` merges
-command-line overrides (flat field names) on top and validates. An invalid value raises
-`ConfigError` naming the field.
+command-line overrides (flat field names) on top and validates. Speculative decoding takes
+vLLM's dict instead, as the `speculative_config` override or the preset's `speculative`
+section. An invalid value raises `ConfigError` naming the field.
 """
 from __future__ import annotations
 
@@ -85,17 +87,101 @@ class SchedulerConfig:
                f"in [1, {MAX_CONTEXT}]")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _spec_check(ok: bool, name: str, value: Any, rule: str) -> None:
+    _check(ok, f"speculative_config.{name}", value, rule)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": "gpt2",
+    "num_speculative_tokens": 4} (a draft model; the method is then "draft_model")."""
+    num_speculative_tokens: int  # k: tokens proposed per step, verified in one target pass
+    method: str = "ngram"
+    model: str | None = None  # the draft's HF hub id or local directory (draft_model only)
+    prompt_lookup_max: int | None = None  # longest n-gram matched (ngram only)
+    prompt_lookup_min: int | None = None  # shortest n-gram matched (ngram only)
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        _spec_check(_is_int(k) and k >= 1, "num_speculative_tokens", k, "an integer >= 1")
+        _spec_check(self.method in SPECULATIVE_METHODS, "method", self.method,
+               f"one of {SPECULATIVE_METHODS}")
+        if self.method == "draft_model":
+            _spec_check(isinstance(self.model, str) and bool(self.model), "model", self.model,
+                   "the draft_model method needs a draft model (hub id or directory)")
+            for name in ("prompt_lookup_max", "prompt_lookup_min"):
+                _spec_check(getattr(self, name) is None, name, getattr(self, name),
+                       "only the ngram method uses it")
+            return
+        _spec_check(self.model is None, "model", self.model, "the ngram method uses no model")
+        self._settle_lookup_range()
+
+    def _settle_lookup_range(self) -> None:
+        """vLLM's defaults: one bound given sets the other; neither gives [5, 5]."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            _spec_check(_is_int(value) and value >= 1, name, value, "an integer >= 1")
+        _spec_check(low <= high, "prompt_lookup_min", low, f"<= prompt_lookup_max ({high})")
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> SpeculativeConfig:
+        """vLLM's dict form; a "model" without a "method" means a draft model."""
+        if not isinstance(spec, dict):
+            raise ConfigError(f"invalid config: speculative_config={spec!r}: a dict")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ConfigError(f"unknown speculative_config field(s) {unknown}; "
+                              f"known: {sorted(known)}")
+        if "num_speculative_tokens" not in spec:
+            raise ConfigError("invalid config: speculative_config needs num_speculative_tokens")
+        spec = dict(spec)
+        spec.setdefault("method", "draft_model" if spec.get("model") else "ngram")
+        return cls(**spec)
+
+
+def _speculative_override(value: Any) -> SpeculativeConfig:
+    return value if isinstance(value, SpeculativeConfig) else SpeculativeConfig.from_dict(value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None:
+            # a speculating request's step holds its k drafts and the token before them
+            k = self.speculative.num_speculative_tokens
+            budget = self.scheduler.max_num_batched_tokens
+            _spec_check(k + 1 <= budget, "num_speculative_tokens", k,
+                   f"k + 1 must fit max_num_batched_tokens ({budget})")
 
     @classmethod
     def from_flat(cls, base: EngineConfig | None = None, **overrides: Any) -> EngineConfig:
-        """Apply flat overrides (`block_size=32`, `dtype="float16"`) to the section owning each."""
+        """Apply flat overrides (`block_size=32`, `dtype="float16"`) to the section owning each;
+        `speculative_config` (vLLM's dict) replaces the speculative section."""
         base = base or cls()
-        sections = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)}
+        speculative = overrides.pop("speculative_config", None)
+        speculative = base.speculative if speculative is None else _speculative_override(
+            speculative)
+        sections = {f.name: getattr(base, f.name) for f in dataclasses.fields(cls)
+                    if f.name != "speculative"}
         updates: dict[str, dict[str, Any]] = {name: {} for name in sections}
         for key, value in overrides.items():
             if value is None:  # not given on the command line
@@ -105,7 +191,34 @@ class EngineConfig:
             if owner is None:
                 raise ConfigError(f"unknown config field {key!r}")
             updates[owner][key] = value
-        return cls(**{s: dataclasses.replace(obj, **updates[s]) for s, obj in sections.items()})
+        return cls(**{s: dataclasses.replace(obj, **updates[s]) for s, obj in sections.items()},
+                   speculative=speculative)
+
+
+def _approx_parameters(hf: dict[str, Any]) -> int:
+    """GPT-2's weights, biases aside: embeddings, and per layer attention (4 d^2) and MLP
+    (2 d n_inner, n_inner 4d unless the config says otherwise)."""
+    d = hf["n_embd"]
+    inner = hf.get("n_inner") or 4 * d
+    per_layer = 4 * d * d + 2 * d * inner
+    return (hf["vocab_size"] + hf["n_positions"]) * d + hf["n_layer"] * per_layer
+
+
+def check_draft_model(target: dict[str, Any], draft: dict[str, Any]) -> None:
+    """Checks that need both models' HF config.json dicts (run when the draft is loaded):
+    a draft must speak the target's vocabulary, reach its positions and be no larger (a
+    draft as large as the target is allowed: with the same weights it accepts every token,
+    which tests use)."""
+    _check(draft["vocab_size"] == target["vocab_size"], "speculative_config.model",
+           f"vocab_size {draft['vocab_size']}",
+           f"the draft's vocabulary must be the target's ({target['vocab_size']})")
+    _check(draft["n_positions"] >= target["n_positions"], "speculative_config.model",
+           f"n_positions {draft['n_positions']}",
+           f"the draft must reach the target's {target['n_positions']} positions")
+    draft_size, target_size = _approx_parameters(draft), _approx_parameters(target)
+    _check(draft_size <= target_size, "speculative_config.model",
+           f"~{draft_size / 1e6:.0f}M parameters",
+           f"the draft must not be larger than the target (~{target_size / 1e6:.0f}M)")
 
 
 def flat_field_names() -> list[str]:
@@ -115,15 +228,17 @@ def flat_field_names() -> list[str]:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> EngineConfig:
-    """Read a YAML preset (sections `model`, `cache`, `scheduler`), then apply flat overrides."""
+    """Read a YAML preset (sections `model`, `cache`, `scheduler`, and `speculative` holding
+    vLLM's speculative_config), then apply flat overrides."""
     base = EngineConfig()
     if path is not None:
         import yaml
 
         data = yaml.safe_load(Path(path).read_text()) or {}
-        unknown = set(data) - {"model", "cache", "scheduler"}
+        unknown = set(data) - {"model", "cache", "scheduler", "speculative"}
         if unknown:
             raise ConfigError(f"unknown config section(s) {sorted(unknown)} in {path}")
+        speculative = data.pop("speculative", None)
         flat = {k: v for section in data.values() for k, v in (section or {}).items()}
-        base = EngineConfig.from_flat(base, **flat)
+        base = EngineConfig.from_flat(base, **flat, speculative_config=speculative)
     return EngineConfig.from_flat(base, **overrides)

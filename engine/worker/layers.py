@@ -65,14 +65,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def gumbel_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B] int64 seeds (>= 0) -> float32 [B, vocab] of Gumbel(0, 1) noise: 23 hashed bits
-    make a uniform u in (0, 1), and G = -log(-log u)."""
-    cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    seed_lo, seed_hi = (seeds & MASK32)[:, None], (seeds >> 32)[:, None]
+def hashed_uniform(seeds: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """int64 seeds (>= 0) and int64 columns in [0, 2^32), broadcast together -> float32
+    uniforms in (0, 1): 23 hashed bits of (seed, column)."""
+    seed_lo, seed_hi = seeds & MASK32, seeds >> 32
     bits = _mix32((_mix32(cols ^ seed_lo) + seed_hi) & MASK32)
-    uniform = ((bits >> 9).float() + 0.5) * 2.0 ** -23
-    return -torch.log(-torch.log(uniform))
+    return ((bits >> 9).float() + 0.5) * 2.0 ** -23
+
+
+def gumbel_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B] int64 seeds (>= 0) -> float32 [B, vocab] of Gumbel(0, 1) noise: the uniform u of
+    (seed, token id), and G = -log(-log u)."""
+    cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    return -torch.log(-torch.log(hashed_uniform(seeds[:, None], cols)))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor,

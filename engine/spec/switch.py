@@ -1,0 +1,100 @@
+"""Adaptive switch-off: speculate only where it pays, judged from step times measured at
+startup, not from a guess. With B requests decoding, per request and second:
+
+    plain         1 / T(B)                       T: a decode step
+    speculating   E(a, k) / S(B, k)              S: propose + verify (k + 1 tokens per row)
+                  E(a, k) = (1 - a^(k+1)) / (1 - a)   tokens a row gains per step
+
+At batch 1 a step reads the weights once whatever its token count, so S(1, k) ~ T(1) and
+speculation wins; at batch 128 verification costs about a prefill of 128 (k + 1) tokens and
+loses. The scheduler asks `choose(B)` each step for the k to use (0: plain decode) and feeds
+each verified row back to `observe`, which keeps the acceptance rate a up to date.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+
+def expected_tokens(acceptance_rate: float, k: int) -> float:
+    """Tokens a speculating row gains per step when each draft is accepted with probability
+    a, independently: the accepted run plus the correction or bonus token."""
+    a = acceptance_rate
+    return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds per step measured at startup, one entry per batch size (ascending, up to
+    max_num_seqs); in between, linear interpolation."""
+    batch_sizes: tuple[int, ...]
+    plain: tuple[float, ...]  # T(B)
+    speculative: dict[int, tuple[float, ...]]  # k -> S(B, k): propose k, verify k + 1
+
+    def __post_init__(self) -> None:
+        sizes = self.batch_sizes
+        if not sizes or any(b <= a for a, b in zip(sizes, sizes[1:])) or sizes[0] < 1:
+            raise ValueError(f"batch_sizes must ascend from >= 1, got {sizes}")
+        for name, series in [("plain", self.plain)] + [
+                (f"speculative[{k}]", s) for k, s in self.speculative.items()]:
+            if len(series) != len(sizes) or min(series) <= 0:
+                raise ValueError(f"{name} needs {len(sizes)} positive times, got {series}")
+        if not self.speculative or min(self.speculative) < 1:
+            raise ValueError(f"speculative needs draft lengths k >= 1, got "
+                             f"{sorted(self.speculative)}")
+
+    def at(self, series: tuple[float, ...], batch_size: int) -> float:
+        """The series at batch_size, interpolated; held constant outside the measured range
+        (which covers every batch the scheduler can form)."""
+        sizes = self.batch_sizes
+        i = bisect_left(sizes, batch_size)
+        if i == 0 or i == len(sizes):
+            return series[min(i, len(sizes) - 1)]
+        lo, hi = sizes[i - 1], sizes[i]
+        weight = (batch_size - lo) / (hi - lo)
+        return series[i - 1] + weight * (series[i] - series[i - 1])
+
+
+class AcceptanceEstimate:
+    """a from verified rows. A row that accepted n of d drafts had n + (n < d) of them judged
+    (a rejection ends the run), so a = accepted / judged, both sums decaying per row so that
+    a change of workload shows within a few hundred rows. Starts at a prior worth
+    `prior_weight` judged drafts."""
+
+    def __init__(self, prior: float = 0.5, prior_weight: float = 10.0,
+                 decay: float = 0.995) -> None:
+        self.accepted, self.judged, self.decay = prior * prior_weight, prior_weight, decay
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        judged = num_accepted + (num_accepted < num_drafts)
+        self.accepted = self.accepted * self.decay + num_accepted
+        self.judged = self.judged * self.decay + judged
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.judged
+
+
+class SpeculationSwitch:
+    def __init__(self, times: StepTimes, hysteresis: float = 0.05,
+                 acceptance: AcceptanceEstimate | None = None) -> None:
+        self.times = times
+        self.hysteresis = hysteresis  # a switch needs a margin this large: no flapping
+        self.acceptance = acceptance or AcceptanceEstimate()
+        self.k = 0  # off until speculation wins by the margin
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts:
+            self.acceptance.observe(num_drafts, num_accepted)
+
+    def choose(self, batch_size: int) -> int:
+        """The draft length for a step with batch_size decoding requests; 0: do not
+        speculate. The k with the best speculative rate competes with plain decoding."""
+        a, times = self.acceptance.rate, self.times
+        best_rate, best_k = max((expected_tokens(a, k) / times.at(series, batch_size), k)
+                                for k, series in times.speculative.items())
+        plain_rate = 1.0 / times.at(times.plain, batch_size)
+        # on: stay on unless plain wins by the margin; off: switch on only when it wins by it
+        margin = 1.0 / (1.0 + self.hysteresis) if self.k else 1.0 + self.hysteresis
+        self.k = best_k if best_rate > plain_rate * margin else 0
+        return self.k
