@@ -19,8 +19,7 @@ from engine import LLMEngine, SamplingParams
 from engine.core.batch import CompletedStep, RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.worker.cuda_graphs import mixed_capture_sizes
-from engine.worker.inputs import (DecodeStager, MixedStager, is_decode_step, placeholder_sources,
-                           prepare_host_inputs)
+from engine.worker.inputs import DecodeStager, MixedStager, is_decode_step, prepare_host_inputs
 from engine.worker.sampler import Sampler
 
 PHASES = ("schedule", "launch", "update", "outputs", "step_total")
@@ -45,14 +44,13 @@ class NoOpRunner:
             np.zeros((7, self.mixed_sizes[-1]), np.int64),
             np.zeros(MixedStager.layout(n, width)["tables"][1], np.int32), n, width)
         self.sampler = Sampler(config.model.seed)
-        self._last_rows: dict[str, int] | None = None
         self._steps = 0
 
     def launch(self, out: SchedulerOutput) -> CompletedStep:
         seqs = out.sequences
         to_sample = [s for s in seqs if s.sample]
         draw_inputs = self.sampler.draw_inputs(to_sample)
-        sources = placeholder_sources(seqs, self._last_rows)
+        sources = [s.prev_sample_row for s in seqs]
         if is_decode_step(seqs):
             self.decode_stager.write(seqs, len(seqs), sources, draw_inputs)
         else:
@@ -61,7 +59,6 @@ class NoOpRunner:
             self.mixed_stager.write(host, sources, draw_inputs, size,
                                     min(size, self.decode_stager.seq_lens.shape[0]))
         ids = [s.request_id for s in to_sample]
-        self._last_rows = dict(zip(ids, range(len(ids))))
         self._steps += 1
         tokens = [(self._steps * 7919 + row) % 50000 for row in range(len(ids))]
         return CompletedStep(RunnerOutput(ids, tokens, [None] * len(ids)))

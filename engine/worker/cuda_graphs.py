@@ -40,18 +40,15 @@ row 1, or a placeholder's sampled token in row 0.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 
-from engine.worker.attention import AttentionMetadata
 from engine.core.batch import ScheduledSequence
+from engine.worker.attention import AttentionMetadata
 from engine.worker.inputs import DecodeStager, HostInputs, MixedStager
-
-if TYPE_CHECKING:
-    from engine.worker.model_runner import SampledOnDevice
-    from engine.worker.sampler import DrawInputs
+from engine.worker.sampler import DrawInputs
 
 MIN_MIXED_TOKENS = 16  # the smallest mixed-step graph (tl.dot tiles need 16 rows)
 
@@ -125,15 +122,15 @@ class _GraphSet:
         torch.cuda.synchronize()
         return pool
 
-    def _replay(self, size: int, stage: Callable, sources: list[int],
-                last_sampled: SampledOnDevice | None, ids32_used: int) -> None:
-        """stage(stager) fills the next pinned mirror; then copy it in and replay."""
+    def _replay(self, size: int, stage: Callable, prev_tokens: torch.Tensor | None,
+                ids32_used: int) -> None:
+        """stage(stager) fills the next pinned mirror; then copy it and the previous step's
+        sampled tokens (when placeholders read them) in, and replay."""
         staging = self._staging[self._steps_staged % 2]
         self._steps_staged += 1
         stage(staging.stager)
-        if last_sampled is not None and max(sources, default=-1) >= 0:
-            sampled = last_sampled.token_ids
-            self.prev_tokens[:len(sampled)].copy_(sampled, non_blocking=True)
+        if prev_tokens is not None:
+            self.prev_tokens[:len(prev_tokens)].copy_(prev_tokens, non_blocking=True)
         # whole rows: a column slice is not contiguous, and torch would stage it through
         # pageable memory, whose copy waits for the step still running on the device
         self._ids64[1:].copy_(staging.ids64[1:], non_blocking=True)
@@ -170,16 +167,16 @@ class DecodeGraphs(_GraphSet):
         return self._logits_and_draws(hidden)
 
     def run(self, seqs: list[ScheduledSequence], sources: list[int],
-            last_sampled: SampledOnDevice | None,
+            prev_tokens: torch.Tensor | None,
             draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for this decode batch; sources[i] >= 0 is the row of sequence i's
-        placeholder token in last_sampled. Returns logits [B, vocab] and each row's token
+        placeholder token in prev_tokens (the previous step's samples). Returns logits [B, vocab] and each row's token
         drawn at its temperature and seed (`draw_inputs`), views valid until the next
         replay."""
         batch = len(seqs)
         size = next(s for s in self.sizes if s >= batch)
         self._replay(size, lambda stager: stager.write(seqs, size, sources, draw_inputs),
-                     sources, last_sampled, self.max_batch + size * self.max_blocks_per_seq)
+                     prev_tokens, self.max_batch + size * self.max_blocks_per_seq)
         return self.logits[size][:batch], self.drawn[size][:batch]
 
 
@@ -215,14 +212,14 @@ class MixedGraphs(_GraphSet):
         hidden = self.model(self._input_ids(size), self.positions[:size], self.kv_caches, meta)
         return self._logits_and_draws(hidden.index_select(0, self.sample_rows[:rows]))
 
-    def run(self, host: HostInputs, sources: list[int], last_sampled: SampledOnDevice | None,
+    def run(self, host: HostInputs, sources: list[int], prev_tokens: torch.Tensor | None,
             draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for this step (see `run` of DecodeGraphs); returns the logits and
         draws of its sampling sequences."""
         size = next(s for s in self.sizes if s >= len(host.token_ids))
         rows = self.rows(size)
         self._replay(size, lambda stager: stager.write(host, sources, draw_inputs, size, rows),
-                     sources, last_sampled, self._ids32_base + rows * self.max_blocks_per_seq)
+                     prev_tokens, self._ids32_base + rows * self.max_blocks_per_seq)
         num_samples = len(host.sample_indices)
         return self.logits[size][:num_samples], self.drawn[size][:num_samples]
 

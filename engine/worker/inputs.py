@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engine.worker.attention import AttentionMetadata
-from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence
+from engine.core.batch import ScheduledSequence
 
 
 @dataclass
@@ -44,23 +44,6 @@ def is_decode_step(seqs: list[ScheduledSequence]) -> bool:
     """One new token per sequence and every sequence samples (a 1-token prompt chunk that
     does not reach the end of its prompt is not a decode)."""
     return all(len(s.token_ids) == 1 and s.sample for s in seqs)
-
-
-def placeholder_sources(seqs: list[ScheduledSequence],
-                        last_rows: dict[str, int] | None) -> list[int]:
-    """Per sequence: the row of its placeholder token among the previous launch's sampled
-    tokens (`last_rows`: request id -> row), or -1 when its tokens are all known. (A
-    placeholder is always a sequence's only new token: the one the step just before samples.)"""
-    sources = []
-    for s in seqs:
-        if s.token_ids[0] != PLACEHOLDER_TOKEN:
-            sources.append(-1)
-        elif last_rows is None or s.request_id not in last_rows:
-            raise RuntimeError(f"{s.request_id}: placeholder token, but the previous step "
-                               f"sampled nothing for it")
-        else:
-            sources.append(last_rows[s.request_id])
-    return sources
 
 
 def prepare_host_inputs(seqs: list[ScheduledSequence], block_size: int,

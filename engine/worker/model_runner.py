@@ -17,8 +17,7 @@ from engine.worker.attention import get_attention_backend
 from engine.core.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
-from engine.worker.inputs import (is_decode_step, placeholder_sources, prepare_host_inputs, to_device,
-                           upload)
+from engine.worker.inputs import is_decode_step, prepare_host_inputs, to_device, upload
 from engine.worker.layers import TORCH_OPS, Ops
 from engine.worker.models.gpt2 import GPT2Config, load_gpt2, resolve_model_dir
 from engine.core.request import SamplingParams
@@ -87,7 +86,8 @@ class ModelRunner:
         # captured once the KV cache exists
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        self._last_sampled: SampledOnDevice | None = None  # feeds the next step's placeholders
+        # the last launched step's sampled tokens, which the next step's placeholders name
+        self._last_step: LaunchedStep | None = None
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
         self.num_kv_blocks = config.cache.num_kv_blocks or self._num_blocks_that_fit()
@@ -204,22 +204,21 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingStep:
         """Queue the step on the device and start copying its tokens back; returns at once.
-        Placeholder tokens are read from the previous launch's sampled tokens on the device."""
+        Placeholder tokens are read from step `out.step_id - 1`'s sampled tokens on the device,
+        the step launched just before."""
         to_sample = [s for s in out.sequences if s.sample]
         draw_inputs = self.sampler.draw_inputs(to_sample)
         logits, drawn = self._forward(out, draw_inputs)
-        self._last_sampled = None
         if not to_sample:  # prompt chunks only: nothing to sample
+            self._last_step = LaunchedStep(out.step_id, None)
             return PendingStep([], None)
         if drawn is not None and is_plain_draw(to_sample):
             sampled = SamplerOutput(drawn, [], [])
         else:
             sampled = self.sampler(logits, to_sample, draw_inputs)
         sampled.begin_host_copy()
-        request_ids = [s.request_id for s in to_sample]
-        self._last_sampled = SampledOnDevice(dict(zip(request_ids, range(len(request_ids)))),
-                                             sampled.token_ids)
-        return PendingStep(request_ids, sampled)
+        self._last_step = LaunchedStep(out.step_id, sampled.token_ids)
+        return PendingStep([s.request_id for s in to_sample], sampled)
 
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the forward (writing KV) and return float32 logits [num sample=True seqs, vocab]
@@ -235,28 +234,42 @@ class ModelRunner:
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, device=self.device), None
         seqs = out.sequences
-        sources = placeholder_sources(seqs, self._last_sampled and self._last_sampled.rows)
+        sources = [s.prev_sample_row for s in seqs]
+        prev_tokens = self._prev_sampled(out, sources)
         if (self.decode_graphs is not None and len(seqs) <= self.decode_graphs.max_batch
                 and is_decode_step(seqs)):
-            return self.decode_graphs.run(seqs, sources, self._last_sampled, draw_inputs)
+            return self.decode_graphs.run(seqs, sources, prev_tokens, draw_inputs)
         host = prepare_host_inputs(seqs, self.block_size, self.max_blocks_per_seq)
         if self.mixed_graphs is not None and self.mixed_graphs.fits(host):
-            return self.mixed_graphs.run(host, sources, self._last_sampled, draw_inputs)
+            return self.mixed_graphs.run(host, sources, prev_tokens, draw_inputs)
         step = to_device(host, self.device)
-        if any(src >= 0 for src in sources):
+        if prev_tokens is not None:
             rows = [i for i, src in enumerate(sources) if src >= 0]
             dst = upload(host.query_start_loc[rows], torch.int64, self.device)
             src = upload([sources[i] for i in rows], torch.int64, self.device)
-            step.input_ids[dst] = self._last_sampled.token_ids[src]
+            step.input_ids[dst] = prev_tokens[src]
         hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         return self.model.compute_logits(hidden[step.sample_indices]), None
 
+    def _prev_sampled(self, out: SchedulerOutput, sources: list[int]) -> torch.Tensor | None:
+        """The device tokens that `out`'s placeholders (sources >= 0) name: those step
+        `out.step_id - 1` sampled, which must be the last launch. None when it has none."""
+        if max(sources, default=-1) < 0:
+            return None
+        last = self._last_step
+        if last is None or last.step_id != out.step_id - 1 or last.token_ids is None:
+            raise RuntimeError(f"step {out.step_id} reads placeholder tokens that step "
+                               f"{out.step_id - 1} sampled, but the last launch was "
+                               f"{last and last.step_id} and sampled "
+                               f"{'nothing' if last is None or last.token_ids is None else 'them'}")
+        return last.token_ids
+
 
 @dataclass(frozen=True)
-class SampledOnDevice:
-    """A launched step's sampled tokens, still on the device, by request id."""
-    rows: dict[str, int]
-    token_ids: torch.Tensor
+class LaunchedStep:
+    """A launched step's sampled tokens, still on the device (None: it sampled nothing)."""
+    step_id: int
+    token_ids: torch.Tensor | None
 
 
 @dataclass
