@@ -17,7 +17,7 @@ from bench_offline import random_prompts
 from profile_decode import host_phases
 
 from engine import LLMEngine, SamplingParams
-from engine.core.batch import CompletedStep, RunnerOutput, SchedulerOutput
+from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.worker.cuda_graphs import (DecodeStager, MixedStager, decode_meta_layout,
                                        mixed_capture_sizes, mixed_meta_layout)
@@ -48,7 +48,7 @@ class NoOpRunner:
         self.sampler = Sampler(config.model.seed)
         self._steps = 0
 
-    def launch(self, out: SchedulerOutput) -> CompletedStep:
+    def launch(self, out: SchedulerOutput) -> SimpleNamespace:
         seqs = out.sequences
         to_sample = [s for s in seqs if s.sample]
         draw_inputs = self.sampler.draw_inputs(to_sample)
@@ -63,7 +63,8 @@ class NoOpRunner:
         ids = [s.request_id for s in to_sample]
         self._steps += 1
         tokens = [(self._steps * 7919 + row) % 50000 for row in range(len(ids))]
-        return CompletedStep(RunnerOutput(ids, tokens, [None] * len(ids)))
+        output = RunnerOutput(ids, tokens, [None] * len(ids))
+        return SimpleNamespace(wait=lambda: output)  # a pending step, nothing to wait for
 
 
 def host_views(layout: BufferLayout, dtype: type) -> SimpleNamespace:

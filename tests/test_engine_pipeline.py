@@ -3,17 +3,27 @@ strings, with the prefix-dependent fake runner from test_scheduler (no torch): e
 ends exactly once, its tokens are a prefix of the reference, stop strings cut the text, and
 no block leaks."""
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.batch import PLACEHOLDER_TOKEN, CompletedStep, SchedulerOutput
+from engine.core.batch import PLACEHOLDER_TOKEN, RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.core.request import SamplingParams
 from engine.output.tokenizer import Tokenizer
 from test_scheduler import FakeRunner, reference_output
+
+
+@dataclass(frozen=True)
+class CompletedStep:
+    """What a fake runner that runs each step at launch returns from launch(): a pending
+    step whose wait() has nothing to wait for."""
+    result: RunnerOutput
+
+    def wait(self) -> RunnerOutput:
+        return self.result
 
 
 class PipelinedFakeRunner(FakeRunner):

@@ -3,18 +3,19 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.worker.attention import TorchAttention
+from engine.worker.attention import AttentionMetadata, TorchAttention
 from engine.core.batch import ScheduledSequence, SchedulerOutput
 from engine.core.config import EngineConfig
-from engine.worker.layers import TORCH_OPS
+from engine.worker.layers import TORCH_OPS, LinearShape
 from engine.worker.model_runner import ModelRunner
-from engine.worker.models.gpt2 import load_gpt2
+from engine.worker.models.gpt2 import find_checkpoint, load_gpt2
 from engine.core.request import SamplingParams
 
 BLOCK_SIZE = 4
@@ -119,8 +120,10 @@ def rewrite_checkpoint(src: Path, dst: Path, as_bin: bool, strip_prefix: bool) -
 def test_loader_accepts_older_checkpoint_layouts(tiny_checkpoint, tmp_path, as_bin,
                                                  strip_prefix):
     variant = rewrite_checkpoint(tiny_checkpoint, tmp_path / "variant", as_bin, strip_prefix)
-    expected = load_gpt2(str(tiny_checkpoint), torch.float32, "cpu", TORCH_OPS, TorchAttention())
-    loaded = load_gpt2(str(variant), torch.float32, "cpu", TORCH_OPS, TorchAttention())
+    expected = load_gpt2(*find_checkpoint(str(tiny_checkpoint)), torch.float32, "cpu", TORCH_OPS,
+                         TorchAttention())
+    loaded = load_gpt2(*find_checkpoint(str(variant)), torch.float32, "cpu", TORCH_OPS,
+                       TorchAttention())
     want = expected.state_dict()
     got = loaded.state_dict()
     assert got.keys() == want.keys()
@@ -145,13 +148,14 @@ def test_half_precision_tracks_float32(tiny_checkpoint, runner, dtype):
 def test_missing_directory_is_a_clear_error(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match="does not exist.*config.json"):
-        load_gpt2(str(missing), torch.float32, "cpu", TORCH_OPS, TorchAttention())
+        find_checkpoint(str(missing))
 
 
 def test_directory_without_weights_is_a_clear_error(tiny_checkpoint, tmp_path):
     shutil.copy(tiny_checkpoint / "config.json", tmp_path / "config.json")
     with pytest.raises(FileNotFoundError, match="no weights.*pytorch_model.bin"):
-        load_gpt2(str(tmp_path), torch.float32, "cpu", TORCH_OPS, TorchAttention())
+        load_gpt2(*find_checkpoint(str(tmp_path)), torch.float32, "cpu", TORCH_OPS,
+                  TorchAttention())
 
 
 def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
@@ -162,7 +166,7 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(FileNotFoundError, match="'openai-community/gpt2'.*could not be fetched"):
-        load_gpt2("openai-community/gpt2", torch.float32, "cpu", TORCH_OPS, TorchAttention())
+        find_checkpoint("openai-community/gpt2")
 
 
 def test_host_inputs_decode_fast_path_equals_general_path():
@@ -184,3 +188,28 @@ def test_host_inputs_decode_fast_path_equals_general_path():
     mixed = prepare_host_inputs(seqs + [chunk], 16, 4)
     assert not is_decode_step(seqs + [chunk]) and mixed.sample_indices.tolist() == [0, 1, 2]
     assert is_decode_step(seqs)
+
+
+def test_linear_shapes_are_the_linears_the_forward_calls(tiny_checkpoint):
+    """What the runner measures the Triton GEMMs for is what a forward asks of `ops`."""
+    seen = set()
+
+    def linear(x, weight, bias, gelu=False):
+        seen.add(LinearShape(*weight.shape, gelu=gelu, norm=False))
+        return TORCH_OPS.linear(x, weight, bias, gelu)
+
+    def add_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias, gelu=False):
+        seen.add(LinearShape(*weight.shape, gelu=gelu, norm=True))
+        return TORCH_OPS.add_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias,
+                                         gelu)
+
+    ops = replace(TORCH_OPS, linear=linear, add_norm_linear=add_norm_linear)
+    model = load_gpt2(*find_checkpoint(str(tiny_checkpoint)), torch.float32, "cpu", ops,
+                      TorchAttention())
+    cfg = model.config
+    cache = torch.zeros(1, BLOCK_SIZE, cfg.n_head, cfg.head_dim)
+    meta = AttentionMetadata(torch.arange(3), torch.zeros(1, 1, dtype=torch.int32),
+                             torch.tensor([3], dtype=torch.int32),
+                             torch.tensor([0, 3], dtype=torch.int32), 3, 3)
+    model(torch.tensor([5, 6, 7]), torch.arange(3), [(cache, cache.clone())] * cfg.n_layer, meta)
+    assert seen == set(cfg.linear_shapes) and len(cfg.linear_shapes) == len(seen)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pickle
 import random
 
+import pytest
+
 from engine import LLM, SamplingParams
 from engine.core.batch import RunnerOutput, SchedulerOutput
+from engine.core.config import EngineConfig
 from engine.worker.model_runner import ModelRunner
 
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
@@ -30,9 +33,9 @@ class RecordingRunner:
         return pending
 
 
-def test_recorded_steps_replay_through_a_fresh_runner(tiny_checkpoint):
-    """A 16-token budget mixes prompt chunks with decodes; unseeded rows take seeds from the
-    runner's generator, which a fresh runner with the same config seed repeats."""
+@pytest.fixture(scope="module")
+def recorded(tiny_checkpoint) -> tuple[RecordingRunner, EngineConfig]:
+    """A 16-token budget mixes prompt chunks with decodes."""
     rng = random.Random(4)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 30))] for _ in range(5)]
     llm = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_num_seqs=4,
@@ -42,7 +45,14 @@ def test_recorded_steps_replay_through_a_fresh_runner(tiny_checkpoint):
     llm.engine.runner = recorder
     llm.generate(prompts, [PARAMS[i % len(PARAMS)] for i in range(len(prompts))],
                  use_tqdm=False)
+    return recorder, llm.engine.config
 
+
+def test_recorded_steps_replay_through_a_fresh_runner(recorded):
+    """Each placeholder names its own request's row of the step before; replayed, the steps
+    give the recorded tokens (unseeded rows take seeds from the runner's generator, which a
+    fresh runner with the same config seed repeats)."""
+    recorder, config = recorded
     steps = [pickle.loads(raw) for raw in recorder.steps]
     placeholders = 0
     for prev, prev_out, step in zip(steps, recorder.outputs, steps[1:]):
@@ -52,5 +62,17 @@ def test_recorded_steps_replay_through_a_fresh_runner(tiny_checkpoint):
             placeholders += 1
     assert placeholders > 12  # most decodes were scheduled ahead
 
-    fresh = ModelRunner(llm.engine.config)
+    fresh = ModelRunner(config)
     assert [fresh.execute(step) for step in steps] == recorder.outputs
+
+
+def test_a_step_whose_placeholders_name_another_launch_is_refused(recorded):
+    recorder, config = recorded
+    steps = [pickle.loads(raw) for raw in recorder.steps]
+    k = next(i for i, step in enumerate(steps)
+             if any(s.prev_sample_row >= 0 for s in step.sequences))
+    runner = ModelRunner(config)
+    for step in steps[:k - 1]:  # step k - 1, whose samples step k reads, is left out
+        runner.execute(step)
+    with pytest.raises(RuntimeError, match="placeholder tokens"):
+        runner.execute(steps[k])

@@ -88,13 +88,3 @@ class RunnerOutput:
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
-
-
-@dataclass(frozen=True)
-class CompletedStep:
-    """What a runner that runs a step at launch (a test fake, a host benchmark) returns from
-    launch(): a pending step whose wait() has nothing to wait for."""
-    result: RunnerOutput
-
-    def wait(self) -> RunnerOutput:
-        return self.result

@@ -122,3 +122,13 @@ def to_device(host: HostInputs, device: torch.device) -> StepInputs:
     return StepInputs(on_device(host.token_ids, torch.int64),
                       on_device(host.positions, torch.int64), meta,
                       on_device(host.sample_indices, torch.int64))
+
+
+def take_placeholders(step: StepInputs, host: HostInputs, sources: list[int],
+                      prev_tokens: torch.Tensor) -> None:
+    """Sequence i with sources[i] >= 0 has one new token, a placeholder: take it from row
+    sources[i] of the previous step's sampled tokens (`prev_tokens`, on the device)."""
+    rows = [i for i, src in enumerate(sources) if src >= 0]
+    dst = upload(host.query_start_loc[rows], torch.int64, prev_tokens.device)
+    src = upload([sources[i] for i in rows], torch.int64, prev_tokens.device)
+    step.input_ids[dst] = prev_tokens[src]
