@@ -1,7 +1,7 @@
 """Arrival counters for split reductions finished inside one launch.
 
-A kernel that splits one output across programs (split-K GEMM, split-KV attention) used to
-need a second launch to combine the partials. Instead each program writes its partial, then
+A kernel that splits one output across programs (split-K GEMM, split-KV attention) needs no
+second launch to combine the partials: each program writes its partial, then
 bumps the output's counter; the program that arrives last combines every partial, in split
 order (deterministic), and puts the counter back to zero:
 

@@ -21,6 +21,7 @@ from kernels.gelu import bias_gelu
 from kernels.layernorm import add_layer_norm
 from kernels.skinny_gemm import (MAX_M, TILE_CANDIDATES, AddNorm, TileConfig,
                                  skinny_add_norm_linear, skinny_linear)
+from kernels.timing import cuda_ms
 
 log = logging.getLogger(__name__)
 ShapeKey = tuple[int, int, int, bool, bool]  # (N, K, M, gelu, norm fused in)
@@ -110,10 +111,4 @@ def graph_ms(call, weights: list[torch.Tensor], replays: int = 10) -> float:
         for w in weights:
             call(w)
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (replays * len(weights))
+    return cuda_ms(graph.replay, replays) / len(weights)

@@ -55,7 +55,7 @@ from kernels.pdl import pdl_options, pdl_prologue
 
 LOG2E = 1.4426950408889634
 # Tuning knobs, module-level so scripts/bench_kernels.py --sweep can try others.
-DECODE_BLOCK_N = 32  # H200 sweep: 73 % of copy BW at B64 ctx1024, vs 60 % at 64
+DECODE_BLOCK_N = 32  # the sweep's best (docs/kernels.md row 4)
 DECODE_NUM_WARPS = 4
 DECODE_PROGRAMS_PER_SM = 4  # split until about this many programs per SM
 PREFILL_BLOCK_M = 64

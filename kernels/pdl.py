@@ -10,10 +10,7 @@ N+1's launch and scheduling overlap N's tail instead of following it:
     kernel N    |==== stream weights ====|tail|
     kernel N+1        (launched, resident)|wait|==== (reads N's output) ====|
 
-Measured on an H100 (docs/kernels.md row 18): the gpt2 batch-1 graph replays ~1 % faster
-(0.405 -> 0.401 ms, two rounds): the graph was already busy 95 % of its replay, so there was
-little gap to hide. Prefetching the skinny GEMM's weights to L2 before the wait (weights are
-never written) gave no steady gain (0.388 and 0.415 ms) and was dropped.
+What it gained, and what was tried beside it: docs/kernels.md rows 18-19.
 
 The contract every kernel launched with PDL keeps: **no read of another kernel's output and
 no write at all before the wait**, and every program reaches it (a program that returns
@@ -35,9 +32,15 @@ import triton
 import triton.language as tl
 
 
-@functools.lru_cache(maxsize=None)
 def pdl_enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("GPT2_SERVE_PDL", "1") == "0":
+    """GPT2_SERVE_PDL is read at each launch (a kernel captured in a CUDA graph keeps the
+    launch it was captured with); the device's support is looked up once."""
+    return os.environ.get("GPT2_SERVE_PDL", "1") != "0" and _pdl_supported(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported(device: torch.device) -> bool:
+    if device.type != "cuda":
         return False
     from triton.language.extra import cuda as triton_cuda
     # triton's `launch_pdl` launch option came with its gdc_* builtins

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.worker.layers import add_layer_norm
 from kernels.arrival_counters import arrive_last, counters_for, reset_counter
 from kernels.device_info import num_sms
 from kernels.gelu import gelu_tanh
@@ -55,9 +54,8 @@ class TileConfig(NamedTuple):
     min_split_steps: int = 4
 
 
-# The tile configs the startup table tries per shape: the winners of scripts/sweep_skinny.py on
-# an H100 at M = 1 for GPT-2 small's QKV and FC, c_proj, attention out, and XL's c_proj
-# (docs/benchmarks/h100/s3-skinny/sweep768.log, sweep1600.log)
+# The tile configs the startup table tries per shape: scripts/sweep_skinny.py's winners for
+# GPT-2 small's and XL's linear shapes at M = 1 (docs/kernels.md)
 TILE_CANDIDATES = (TileConfig(32, 256, 2, 4, 2), TileConfig(64, 256, 4, 4, 2),
                    TileConfig(16, 256, 4, 4, 2), TileConfig(32, 128, 2, 4, 1))
 
@@ -299,5 +297,6 @@ def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor,
 def skinny_add_norm_linear_reference(x: torch.Tensor, norm: AddNorm, weight: torch.Tensor,
                                      bias: torch.Tensor | None = None, gelu: bool = False
                                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    normed, summed = add_layer_norm(x, norm.residual, norm.weight, norm.bias, norm.eps)
+    summed = x + norm.residual
+    normed = F.layer_norm(summed, (summed.shape[-1],), norm.weight, norm.bias, norm.eps)
     return skinny_linear_reference(normed, weight, bias, gelu), summed

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import argparse
 import time
+from types import SimpleNamespace
 
 import numpy as np
 from bench_offline import random_prompts
 from profile_decode import host_phases
 
 from engine import LLMEngine, SamplingParams
-from engine.core.batch import CompletedStep, RunnerOutput, SchedulerOutput
+from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
-from engine.worker.cuda_graphs import mixed_capture_sizes
-from engine.worker.inputs import (DecodeStager, MixedStager, is_decode_step, placeholder_sources,
-                           prepare_host_inputs)
+from engine.worker.cuda_graphs import (DecodeStager, MixedStager, decode_meta_layout,
+                                       mixed_capture_sizes, mixed_meta_layout)
+from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
+from engine.worker.inputs import is_decode_step, prepare_host_inputs
 from engine.worker.sampler import Sampler
 
 PHASES = ("schedule", "launch", "update", "outputs", "step_total")
@@ -37,34 +39,37 @@ class NoOpRunner:
         n, width = sched.max_num_seqs, -(-sched.max_model_len // block_size)
         self.num_kv_blocks = config.cache.num_kv_blocks
         self.block_size, self.width = block_size, width
-        self.decode_stager = DecodeStager(np.zeros((7, n), np.int64),
-                                          np.zeros(n * (1 + width), np.int32), width,
+        self.decode_stager = DecodeStager(host_views(token_layout(n), np.int64),
+                                          host_views(decode_meta_layout(n, width), np.int32),
                                           block_size)
         self.mixed_sizes = mixed_capture_sizes(sched.max_num_batched_tokens)
-        self.mixed_stager = MixedStager(
-            np.zeros((7, self.mixed_sizes[-1]), np.int64),
-            np.zeros(MixedStager.layout(n, width)["tables"][1], np.int32), n, width)
+        self.mixed_stager = MixedStager(host_views(token_layout(self.mixed_sizes[-1]), np.int64),
+                                        host_views(mixed_meta_layout(n, width), np.int32))
         self.sampler = Sampler(config.model.seed)
-        self._last_rows: dict[str, int] | None = None
         self._steps = 0
 
-    def launch(self, out: SchedulerOutput) -> CompletedStep:
+    def launch(self, out: SchedulerOutput) -> SimpleNamespace:
         seqs = out.sequences
         to_sample = [s for s in seqs if s.sample]
         draw_inputs = self.sampler.draw_inputs(to_sample)
-        sources = placeholder_sources(seqs, self._last_rows)
+        sources = [s.prev_sample_row for s in seqs]
         if is_decode_step(seqs):
             self.decode_stager.write(seqs, len(seqs), sources, draw_inputs)
         else:
             host = prepare_host_inputs(seqs, self.block_size, self.width)
             size = next(s for s in self.mixed_sizes if s >= len(host.token_ids))
             self.mixed_stager.write(host, sources, draw_inputs, size,
-                                    min(size, self.decode_stager.seq_lens.shape[0]))
+                                    min(size, len(self.decode_stager.meta.seq_lens)))
         ids = [s.request_id for s in to_sample]
-        self._last_rows = dict(zip(ids, range(len(ids))))
         self._steps += 1
         tokens = [(self._steps * 7919 + row) % 50000 for row in range(len(ids))]
-        return CompletedStep(RunnerOutput(ids, tokens, [None] * len(ids)))
+        output = RunnerOutput(ids, tokens, [None] * len(ids))
+        return SimpleNamespace(wait=lambda: output)  # a pending step, nothing to wait for
+
+
+def host_views(layout: BufferLayout, dtype: type) -> SimpleNamespace:
+    """A graph buffer's named views over zeroed host memory (unpinned: nothing is copied)."""
+    return layout.views(np.zeros(layout.size, dtype))
 
 
 def measure(batch: int, steps: int, output_kind: str, async_scheduling: bool) -> dict:

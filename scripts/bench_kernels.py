@@ -35,7 +35,7 @@ from engine.worker.attention import (AttentionMetadata, paged_attention_referenc
 from engine.worker.layers import TORCH_OPS  # noqa: E402
 from engine.worker.layers import bias_gelu as bias_gelu_reference  # noqa: E402
 from engine.worker.layers import sample as sample_reference  # noqa: E402
-from kernels import TRITON_OPS  # noqa: E402
+from kernels.backend import triton_ops  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
 from kernels.gelu import bias_gelu  # noqa: E402
 from kernels.sampling import row_sample  # noqa: E402
@@ -152,7 +152,7 @@ def elementwise_rows() -> list[dict]:
     slots = torch.randperm(4096 * BLOCK_SIZE, device="cuda")[:2048]
 
     def both(run):  # the Triton op and the torch op as zero-argument callables
-        return (lambda: run(TRITON_OPS)), (lambda: run(TORCH_OPS))
+        return (lambda: run(triton_ops())), (lambda: run(TORCH_OPS))
 
     def store(fn, k_cache, v_cache):
         fn(k, v, k_cache, v_cache, slots)

@@ -1,6 +1,7 @@
 """Shared pieces of the benchmark scripts: device ceilings, checkpoints, result files, plots."""
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from kernels.timing import cuda_ms  # noqa: E402  (needs ROOT on sys.path)
 BENCH_DIR = ROOT / "docs" / "benchmarks"
 
 
@@ -20,14 +22,7 @@ def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 20) -> float:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / repeats
+    seconds = cuda_ms(functools.partial(dst.copy_, src), repeats) / 1e3
     del src, dst
     torch.cuda.empty_cache()
     return 2 * n_bytes / seconds
@@ -40,13 +35,7 @@ def matmul_rate(n: int = 8192, repeats: int = 10) -> float:
     b = torch.randn_like(a)
     for _ in range(3):
         a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        a @ b
-    end.record()
-    end.synchronize()
-    return repeats * 2 * n ** 3 / (start.elapsed_time(end) / 1e3)
+    return 2 * n ** 3 / (cuda_ms(lambda: a @ b, repeats) / 1e3)
 
 
 def device_info() -> dict:
@@ -58,7 +47,7 @@ def device_info() -> dict:
 
 def checkpoint_for(model: str) -> str:
     """A named arch without a local copy becomes a random checkpoint under checkpoints/."""
-    make = _load_script("make_checkpoint")
+    import make_checkpoint as make  # a sibling script: scripts/ is on sys.path
     if model in make.ARCHS:
         out = ROOT / "checkpoints" / f"{model}-random"
         if not (out / "config.json").exists():
@@ -66,15 +55,6 @@ def checkpoint_for(model: str) -> str:
             make.make_checkpoint(out, arch=model, dtype="float16")
         return str(out)
     return model
-
-
-def _load_script(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def model_bytes(checkpoint: str, bytes_per_param: int = 2) -> tuple[int, dict]:

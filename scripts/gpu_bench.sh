@@ -6,10 +6,14 @@
 # GPT2_SERVE_PDL=0 launches the Triton kernels without programmatic dependent launch.
 # The node has torch/triton/transformers but no network: wheels it lacks travel in .whl/ and the
 # plain-PyTorch anchor in .anchor/ (copied from ../shared/anchors/).
+# Stage `before` runs BEFORE_STAGES (default: latency offline) from the tree in .before/ (carried:
+# mkdir .before && git archive BASE | tar -x -C .before), results under $OUT/before, so that
+# `bash scripts/gpu_bench.sh before latency offline` compares a base commit with this tree in one run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/benchmarks}
-mkdir -p "$OUT"
+mkdir -p "$OUT" checkpoints
+OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -23,6 +27,8 @@ for stage in "$@"; do
         latency) python3 scripts/bench_latency.py --models "${MODELS:-gpt2,gpt2-xl}" --anchor .anchor/compiled_decode_anchor.py --out "$OUT" ${LATENCY_ARGS:-} 2>&1 | tee "$OUT/latency.log" | grep -v "it/s" ;;
         offline) python3 scripts/bench_offline.py --model gpt2 --num-prompts "${NUM_PROMPTS:-1000}" --out "$OUT" ${OFFLINE_ARGS:-} 2>&1 | tee "$OUT/offline.log" | grep -v "it/s\]" ;;
         profile) for m in ${MODELS:-gpt2 gpt2-xl}; do python3 scripts/profile_decode.py --model "$m" --batch "${PROFILE_BATCH:-1,64}" 2>&1 | grep -v "it/s"; done | tee "$OUT/profile.log" ;;
+        before) for d in .anchor .whl checkpoints; do ln -sfn "../$d" ".before/$d"; done
+                OUT=$OUT/before bash .before/scripts/gpu_bench.sh ${BEFORE_STAGES:-latency offline} ;;
         kernels) python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
         *) echo "unknown stage $stage" ;;
     esac

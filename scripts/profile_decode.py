@@ -16,6 +16,7 @@ import torch
 from bench_utils import checkpoint_for
 
 from engine import LLM, LLMEngine, SamplingParams
+from kernels.timing import cuda_ms
 
 
 def replay_ms(runner, batch: int, repeats: int = 200) -> float:
@@ -24,14 +25,7 @@ def replay_ms(runner, batch: int, repeats: int = 200) -> float:
     graph = graphs.graphs[size]
     for _ in range(10):
         graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    return cuda_ms(graph.replay, repeats)
 
 
 def host_phases(engine: LLMEngine, batch: int, params: SamplingParams,

@@ -1,11 +1,18 @@
-"""Decode CUDA graphs: capture sizes (CPU) and graph == eager output (GPU only)."""
+"""CUDA graphs: capture sizes, the stagers' buffers, graph staging == eager (CPU, with eager
+replays), and graph == eager output (GPU only)."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
+from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence
+from engine.worker.cuda_graphs import (DecodeGraphs, DecodeStager, MixedGraphs, MixedStager,
+                                       capture_sizes, decode_meta_layout, mixed_capture_sizes,
+                                       mixed_meta_layout)
+from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
+from engine.worker.inputs import prepare_host_inputs
 
 
 def test_capture_sizes_cover_every_batch():
@@ -103,3 +110,97 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
             assert decode._steps_staged > 20  # decode steps went through the staging
             assert mixed._steps_staged > 5  # and so did the steps with prompt chunks
     assert results[0] == results[1]
+
+
+def filled_views(layout: BufferLayout, dtype: type):
+    """Named views of a buffer filled with 99, so rows the stager leaves alone stand out."""
+    return layout.views(np.full(layout.size, 99, dtype))
+
+
+def test_buffer_layout_views_numpy_and_torch_alike():
+    layout = BufferLayout(a=2, table=(2, 3), bits=2, bits_of={"bits": "float64"})
+    host, device = np.arange(layout.size, dtype=np.int64), torch.arange(layout.size)
+    for views in (layout.views(host), layout.views(device)):
+        assert views.a.tolist() == [0, 1] and views.table.tolist() == [[2, 3, 4], [5, 6, 7]]
+    layout.views(host).bits[:] = [0.5, -2.0]
+    assert layout.views(torch.from_numpy(host)).bits.tolist() == [0.5, -2.0]
+    assert (layout.start("table"), layout.end("table", 1), layout.size) == (2, 5, 10)
+
+
+def test_decode_stager_matches_host_inputs_as_the_batch_changes():
+    """The graphs' staging writes what prepare_host_inputs computes, row for row, while rows
+    shift, sequences gain blocks, one is replaced by another with as many blocks, and the
+    padded size shrinks and grows; padding rows are (0, 0, -1), seq_len 1, block 0, and
+    draw greedily (temperature 0, seed 0)."""
+    n, width, bs = 4, 8, 16
+    tokens = filled_views(token_layout(n), np.int64)
+    meta = filled_views(decode_meta_layout(n, width), np.int32)
+    stager = DecodeStager(tokens, meta, bs)
+    params = SamplingParams()
+
+    def seq(name, pos, blocks):
+        return ScheduledSequence(name, [pos % 50], pos, blocks, True, params)
+
+    steps = [[seq("a", 15, [4]), seq("b", 40, [1, 2, 3])],
+             [seq("a", 16, [4, 7]), seq("b", 41, [1, 2, 3]), seq("c", 3, [9])],
+             [seq("b", 42, [1, 2, 3]), seq("c", 4, [9])],  # a finished: rows shift up
+             [seq("d", 42, [5, 6, 8]), seq("c", 5, [9])]]  # d: new blocks, same count as b
+    for step, seqs in enumerate(steps):
+        size = 4 if len(seqs) > 2 else 2
+        b = len(seqs)
+        temperature, seeds = np.linspace(0.5, 1.5, b), np.arange(b) + 1000 * step
+        stager.write(seqs, size, [-1] * b, (temperature, seeds))
+        host = prepare_host_inputs(seqs, bs, width)
+        assert tokens.draw_seeds[:size].tolist() == seeds.tolist() + [0] * (size - b)
+        assert tokens.draw_temperature[:size].tolist() == temperature.tolist() + [0.0] * (
+            size - b)
+        for name in ("token_ids", "positions", "slot_mapping"):
+            assert getattr(tokens, name)[:b].tolist() == getattr(host, name).tolist(), name
+        assert tokens.token_source[:size].tolist() == list(range(n, n + size))  # own tokens
+        assert tokens.token_ids[b:size].tolist() == tokens.positions[b:size].tolist() == [
+            0] * (size - b)
+        assert tokens.slot_mapping[b:size].tolist() == [-1] * (size - b)
+        assert meta.seq_lens[:b].tolist() == host.seq_lens.tolist()
+        assert meta.seq_lens[b:size].tolist() == [1] * (size - b)
+        for row, s in enumerate(seqs):
+            assert meta.block_tables[row, :len(s.block_ids)].tolist() == s.block_ids
+        assert (meta.block_tables[b:size, 0] == 0).all()
+    placeholder = ScheduledSequence("c", [PLACEHOLDER_TOKEN], 6, [9], True, params, (), (),
+                                    0, 3)
+    stager.write([seq("d", 43, [5, 6, 8]), placeholder], 2, [-1, 3],
+                 (np.ones(2), np.zeros(2, np.int64)))
+    assert tokens.token_source[:2].tolist() == [n, 3]  # c's token: row 3 of prev_tokens
+
+
+def test_mixed_stager_pads_tokens_and_sequences():
+    """A step with a prompt chunk and decodes (one a placeholder) staged for the mixed-step
+    graph of 16 tokens and 6 sequence rows: real rows as prepare_host_inputs computes them;
+    padding tokens (0, 0, slot -1, own token), padding sequences with no new tokens (query
+    start at the real end, seq_len 0), padding sample rows greedy."""
+    n, max_seqs, width, bs = 32, 6, 8, 16
+    tokens = filled_views(token_layout(n), np.int64)
+    meta = filled_views(mixed_meta_layout(max_seqs, width), np.int32)
+    stager = MixedStager(tokens, meta)
+    params = SamplingParams()
+    seqs = [ScheduledSequence("a", [5, 6, 7, 8, 9], 0, (3,), True, params),
+            ScheduledSequence("b", [PLACEHOLDER_TOKEN], 20, (1, 2), True, params, (), (), 0, 4),
+            ScheduledSequence("c", [11, 12], 4, (4,), False, params),
+            ScheduledSequence("d", [13], 30, (6, 7), True, params)]
+    host = prepare_host_inputs(seqs, bs, width)
+    temperature, seeds = np.array([0.5, 1.0, 0.0]), np.array([7, 8, 9])
+    stager.write(host, [-1, 4, -1, -1], (temperature, seeds), 16, 6)
+    t, s = len(host.token_ids), len(seqs)
+    assert tokens.token_ids[:t].tolist() == [5, 6, 7, 8, 9, 0, 11, 12, 13]
+    assert tokens.positions[:t].tolist() == host.positions.tolist()
+    assert tokens.slot_mapping[:t].tolist() == host.slot_mapping.tolist()
+    assert tokens.token_ids[t:16].tolist() == tokens.positions[t:16].tolist() == [0] * (16 - t)
+    assert tokens.slot_mapping[t:16].tolist() == [-1] * (16 - t)
+    expected_source = list(range(n, n + 16))
+    expected_source[5] = 4  # b's token: row 4 of the previous step's samples
+    assert tokens.token_source[:16].tolist() == expected_source
+    assert tokens.draw_seeds[:6].tolist() == [7, 8, 9, 0, 0, 0]
+    assert tokens.draw_temperature[:6].tolist() == [0.5, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert meta.query_start_loc[:7].tolist() == host.query_start_loc.tolist() + [t] * 2
+    assert meta.seq_lens[:6].tolist() == host.seq_lens.tolist() + [0, 0]
+    assert meta.sample_rows[:6].tolist() == host.sample_indices.tolist() + [0] * 3
+    assert meta.block_tables[:s].tolist() == host.block_tables.tolist()

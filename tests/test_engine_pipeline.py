@@ -3,12 +3,12 @@ strings, with the prefix-dependent fake runner from test_scheduler (no torch): e
 ends exactly once, its tokens are a prefix of the reference, stop strings cut the text, and
 no block leaks."""
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.batch import PLACEHOLDER_TOKEN, CompletedStep, SchedulerOutput
+from engine.core.batch import PLACEHOLDER_TOKEN, RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.core.request import SamplingParams
@@ -16,26 +16,41 @@ from engine.output.tokenizer import Tokenizer
 from test_scheduler import FakeRunner, reference_output
 
 
+@dataclass(frozen=True)
+class CompletedStep:
+    """What a fake runner that runs each step at launch returns from launch(): a pending
+    step whose wait() has nothing to wait for."""
+    result: RunnerOutput
+
+    def wait(self) -> RunnerOutput:
+        return self.result
+
+
 class PipelinedFakeRunner(FakeRunner):
-    """Runs each step at launch; a placeholder token becomes the token the previous launch
-    sampled for that request (as the real runner reads it from the device)."""
+    """Runs each step at launch; a placeholder token becomes the token in row
+    prev_sample_row of what the previous launch (step step_id - 1) sampled, as the real runner
+    reads it from the device. A wrong row gives a wrong token, so outputs differ from the
+    reference."""
 
     def __init__(self, num_blocks: int, block_size: int):
         super().__init__(num_blocks, block_size)
         self.num_kv_blocks = num_blocks
-        self.last_sampled: dict[str, int] = {}
+        self.last: tuple[int, list[int]] | None = None  # (step id, sampled tokens)
         self.placeholders_filled = 0
 
     def launch(self, out: SchedulerOutput) -> CompletedStep:
         resolved = []
         for seq in out.sequences:
-            if seq.token_ids == [PLACEHOLDER_TOKEN]:
-                seq = replace(seq, token_ids=[self.last_sampled[seq.request_id]])
+            assert (seq.prev_sample_row >= 0) == (seq.token_ids == [PLACEHOLDER_TOKEN])
+            if seq.prev_sample_row >= 0:
+                step_id, sampled = self.last
+                assert step_id == out.step_id - 1
+                seq = replace(seq, token_ids=[sampled[seq.prev_sample_row]])
                 self.placeholders_filled += 1
             assert PLACEHOLDER_TOKEN not in seq.token_ids
             resolved.append(seq)
         result = self.execute(replace(out, sequences=resolved))
-        self.last_sampled = dict(zip(result.request_ids, result.sampled_token_ids))
+        self.last = (out.step_id, result.sampled_token_ids)
         return CompletedStep(result)
 
 

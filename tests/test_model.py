@@ -3,19 +3,19 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.worker.attention import TorchAttention
-from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence, SchedulerOutput
+from engine.worker.attention import AttentionMetadata, TorchAttention
+from engine.core.batch import ScheduledSequence, SchedulerOutput
 from engine.core.config import EngineConfig
-from engine.worker.layers import TORCH_OPS
+from engine.worker.layers import TORCH_OPS, LinearShape
 from engine.worker.model_runner import ModelRunner
-from engine.worker.models.gpt2 import load_gpt2
+from engine.worker.models.gpt2 import find_checkpoint, load_gpt2
 from engine.core.request import SamplingParams
 
 BLOCK_SIZE = 4
@@ -120,8 +120,10 @@ def rewrite_checkpoint(src: Path, dst: Path, as_bin: bool, strip_prefix: bool) -
 def test_loader_accepts_older_checkpoint_layouts(tiny_checkpoint, tmp_path, as_bin,
                                                  strip_prefix):
     variant = rewrite_checkpoint(tiny_checkpoint, tmp_path / "variant", as_bin, strip_prefix)
-    expected = load_gpt2(str(tiny_checkpoint), torch.float32, "cpu", TORCH_OPS, TorchAttention())
-    loaded = load_gpt2(str(variant), torch.float32, "cpu", TORCH_OPS, TorchAttention())
+    expected = load_gpt2(*find_checkpoint(str(tiny_checkpoint)), torch.float32, "cpu", TORCH_OPS,
+                         TorchAttention())
+    loaded = load_gpt2(*find_checkpoint(str(variant)), torch.float32, "cpu", TORCH_OPS,
+                       TorchAttention())
     want = expected.state_dict()
     got = loaded.state_dict()
     assert got.keys() == want.keys()
@@ -146,13 +148,14 @@ def test_half_precision_tracks_float32(tiny_checkpoint, runner, dtype):
 def test_missing_directory_is_a_clear_error(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match="does not exist.*config.json"):
-        load_gpt2(str(missing), torch.float32, "cpu", TORCH_OPS, TorchAttention())
+        find_checkpoint(str(missing))
 
 
 def test_directory_without_weights_is_a_clear_error(tiny_checkpoint, tmp_path):
     shutil.copy(tiny_checkpoint / "config.json", tmp_path / "config.json")
     with pytest.raises(FileNotFoundError, match="no weights.*pytorch_model.bin"):
-        load_gpt2(str(tmp_path), torch.float32, "cpu", TORCH_OPS, TorchAttention())
+        load_gpt2(*find_checkpoint(str(tmp_path)), torch.float32, "cpu", TORCH_OPS,
+                  TorchAttention())
 
 
 def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
@@ -163,7 +166,7 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(FileNotFoundError, match="'openai-community/gpt2'.*could not be fetched"):
-        load_gpt2("openai-community/gpt2", torch.float32, "cpu", TORCH_OPS, TorchAttention())
+        find_checkpoint("openai-community/gpt2")
 
 
 def test_host_inputs_decode_fast_path_equals_general_path():
@@ -187,80 +190,26 @@ def test_host_inputs_decode_fast_path_equals_general_path():
     assert is_decode_step(seqs)
 
 
-def test_decode_stager_matches_host_inputs_as_the_batch_changes():
-    """The graphs' staging writes what prepare_host_inputs computes, row for row, while rows
-    shift, sequences gain blocks, one is replaced by another with as many blocks, and the
-    padded size shrinks and grows; padding rows are (0, 0, -1), seq_len 1, block 0, and
-    draw greedily (temperature 0, seed 0)."""
-    from engine.worker.inputs import DecodeStager, prepare_host_inputs
+def test_linear_shapes_are_the_linears_the_forward_calls(tiny_checkpoint):
+    """What the runner measures the Triton GEMMs for is what a forward asks of `ops`."""
+    seen = set()
 
-    n, width, bs = 4, 8, 16
-    ids64, ids32 = np.full((7, n), 99, np.int64), np.full(n * (1 + width), 99, np.int32)
-    stager = DecodeStager(ids64, ids32, width, bs)
-    params = SamplingParams()
+    def linear(x, weight, bias, gelu=False):
+        seen.add(LinearShape(*weight.shape, gelu=gelu, norm=False))
+        return TORCH_OPS.linear(x, weight, bias, gelu)
 
-    def seq(name, pos, blocks):
-        return ScheduledSequence(name, [pos % 50], pos, blocks, True, params)
+    def add_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias, gelu=False):
+        seen.add(LinearShape(*weight.shape, gelu=gelu, norm=True))
+        return TORCH_OPS.add_norm_linear(x, residual, norm_weight, norm_bias, eps, weight, bias,
+                                         gelu)
 
-    steps = [[seq("a", 15, [4]), seq("b", 40, [1, 2, 3])],
-             [seq("a", 16, [4, 7]), seq("b", 41, [1, 2, 3]), seq("c", 3, [9])],
-             [seq("b", 42, [1, 2, 3]), seq("c", 4, [9])],  # a finished: rows shift up
-             [seq("d", 42, [5, 6, 8]), seq("c", 5, [9])]]  # d: new blocks, same count as b
-    for step, seqs in enumerate(steps):
-        size = 4 if len(seqs) > 2 else 2
-        b = len(seqs)
-        temperature, seeds = np.linspace(0.5, 1.5, b), np.arange(b) + 1000 * step
-        stager.write(seqs, size, [-1] * b, (temperature, seeds))
-        host = prepare_host_inputs(seqs, bs, width)
-        assert ids64[5, :size].tolist() == seeds.tolist() + [0] * (size - b)
-        assert ids64[6, :size].view(np.float64).tolist() == temperature.tolist() + [0.0] * (
-            size - b)
-        assert ids64[1:4, :b].tolist() == [host.token_ids.tolist(), host.positions.tolist(),
-                                           host.slot_mapping.tolist()]
-        assert ids64[4, :size].tolist() == list(range(n, n + size))  # each row's own token
-        assert ids64[1:4, b:size].T.tolist() == [[0, 0, -1]] * (size - b)
-        tables = ids32[n:].reshape(n, width)
-        assert ids32[:b].tolist() == host.seq_lens.tolist()
-        assert ids32[b:size].tolist() == [1] * (size - b)
-        for row, s in enumerate(seqs):
-            assert tables[row, :len(s.block_ids)].tolist() == s.block_ids
-        assert (tables[b:size, 0] == 0).all()
-    placeholder = ScheduledSequence("c", [PLACEHOLDER_TOKEN], 6, [9], True, params)
-    stager.write([seq("d", 43, [5, 6, 8]), placeholder], 2, [-1, 3],
-                 (np.ones(2), np.zeros(2, np.int64)))
-    assert ids64[4, :2].tolist() == [n, 3]  # c's token is row 3 of the previous step's samples
-
-
-def test_mixed_stager_pads_tokens_and_sequences():
-    """A step with a prompt chunk and decodes (one a placeholder) staged for the mixed-step
-    graph of 16 tokens and 6 sequence rows: real rows as prepare_host_inputs computes them;
-    padding tokens (0, 0, slot -1, own token), padding sequences with no new tokens (query
-    start at the real end, seq_len 0), padding sample rows greedy."""
-    from engine.worker.inputs import MixedStager, prepare_host_inputs
-
-    n, max_seqs, width, bs = 32, 6, 8, 16
-    layout = MixedStager.layout(max_seqs, width)
-    ids64, ids32 = np.full((7, n), 99, np.int64), np.full(layout["tables"][1], 99, np.int32)
-    stager = MixedStager(ids64, ids32, max_seqs, width)
-    params = SamplingParams()
-    seqs = [ScheduledSequence("a", [5, 6, 7, 8, 9], 0, (3,), True, params),
-            ScheduledSequence("b", [PLACEHOLDER_TOKEN], 20, (1, 2), True, params),
-            ScheduledSequence("c", [11, 12], 4, (4,), False, params),
-            ScheduledSequence("d", [13], 30, (6, 7), True, params)]
-    host = prepare_host_inputs(seqs, bs, width)
-    temperature, seeds = np.array([0.5, 1.0, 0.0]), np.array([7, 8, 9])
-    stager.write(host, [-1, 4, -1, -1], (temperature, seeds), 16, 6)
-    t, s = len(host.token_ids), len(seqs)
-    assert ids64[1, :t].tolist() == [5, 6, 7, 8, 9, 0, 11, 12, 13]
-    assert ids64[2:4, :t].tolist() == [host.positions.tolist(), host.slot_mapping.tolist()]
-    assert ids64[1:4, t:16].T.tolist() == [[0, 0, -1]] * (16 - t)
-    expected_source = list(range(n, n + 16))
-    expected_source[5] = 4  # b's token: row 4 of the previous step's samples
-    assert ids64[4, :16].tolist() == expected_source
-    assert ids64[5, :6].tolist() == [7, 8, 9, 0, 0, 0]
-    assert ids64[6, :6].view(np.float64).tolist() == [0.5, 1.0, 0.0, 0.0, 0.0, 0.0]
-    assert stager.query_start_loc[:7].tolist() == host.query_start_loc.tolist() + [t] * 2
-    assert stager.seq_lens[:6].tolist() == host.seq_lens.tolist() + [0, 0]
-    assert stager.sample_rows[:6].tolist() == host.sample_indices.tolist() + [0] * 3
-    assert stager.tables[:s].tolist() == host.block_tables.tolist()
-
+    ops = replace(TORCH_OPS, linear=linear, add_norm_linear=add_norm_linear)
+    model = load_gpt2(*find_checkpoint(str(tiny_checkpoint)), torch.float32, "cpu", ops,
+                      TorchAttention())
+    cfg = model.config
+    cache = torch.zeros(1, BLOCK_SIZE, cfg.n_head, cfg.head_dim)
+    meta = AttentionMetadata(torch.arange(3), torch.zeros(1, 1, dtype=torch.int32),
+                             torch.tensor([3], dtype=torch.int32),
+                             torch.tensor([0, 3], dtype=torch.int32), 3, 3)
+    model(torch.tensor([5, 6, 7]), torch.arange(3), [(cache, cache.clone())] * cfg.n_layer, meta)
+    assert seen == set(cfg.linear_shapes) and len(cfg.linear_shapes) == len(seen)

@@ -190,3 +190,26 @@ def test_nan_and_inf_rows_give_valid_tokens(params):
     assert tokens[2] % 2 == 1  # NaN entries can never be drawn
     assert all(math.isfinite(lp.token_logprob) for lp in logprobs)
     assert logprobs[0].token_logprob == pytest.approx(-math.log(VOCAB))
+
+
+def test_a_draw_made_on_the_device_answers_plain_rows_only():
+    """A CUDA graph draws every row at its temperature and seed; the sampler takes that draw
+    when all rows are plain, and samples the logits itself when any row needs filters."""
+    logits, drawn = random_logits(2), torch.tensor([7, 9])
+    plain = [seq(SamplingParams(temperature=0.8)), seq(SamplingParams(temperature=0.0))]
+    assert Sampler(0)(logits, plain, drawn=drawn).token_ids.tolist() == [7, 9]
+    filtered = [seq(SamplingParams(top_k=1)), seq(SamplingParams(temperature=0.0))]
+    assert Sampler(0)(logits, filtered, drawn=drawn).token_ids.tolist() == (
+        logits.argmax(-1).tolist())
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, seed=3),
+                                    SamplingParams(top_k=20, top_p=0.8, seed=3, logprobs=2)],
+                         ids=["plain", "filtered"])
+def test_model_dtype_logits_sample_as_their_float32_widening(params):
+    """Logits come in the model's dtype, as a view of padded rows (what lm_head returns); the
+    sampler draws from them what it draws from the same values widened to float32."""
+    padded = random_logits(4, VOCAB + 24).to(torch.bfloat16)
+    logits = padded[:, :VOCAB]
+    seqs = [seq(params)] * 4
+    assert run(logits, seqs) == run(logits.float().contiguous(), seqs)

@@ -3,7 +3,8 @@
     Scheduler.schedule() ──SchedulerOutput──▶ ModelRunner.execute() ──RunnerOutput──▶ Scheduler.update()
 
 The runner only reads a SchedulerOutput; it never touches Request objects. Everything it needs
-to build device inputs is here, so a step can be replayed or tested in isolation.
+to build device inputs is here, down to which row of the previous step's output a token still
+being sampled comes from, so a recorded sequence of steps can be replayed or tested.
 
 Block layout of one scheduled sequence (block_size 4, 10 tokens computed, 3 new):
 
@@ -31,6 +32,9 @@ class ScheduledSequence:
     output_token_ids: tuple[int, ...] = ()  # generated so far (penalties); set only if needed
     prompt_token_ids: tuple[int, ...] = ()  # the prompt (repetition penalty); set only if needed
     num_output_tokens: int = 0  # tokens generated so far (seeded sampling, min_tokens)
+    # >= 0: token_ids is [PLACEHOLDER_TOKEN], the token in this row of the previous step's
+    # sampled output (see SchedulerOutput); -1: every new token is known
+    prev_sample_row: int = -1
 
     @property
     def num_new_tokens(self) -> int:
@@ -43,12 +47,20 @@ class ScheduledSequence:
 
 
 # A token id not known yet when the step was scheduled: the one the previous step (still on
-# the device) samples for this sequence. The runner reads it from that step's device output.
+# the device) samples for this sequence, named by the sequence's prev_sample_row.
 PLACEHOLDER_TOKEN = -1
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
+    """One step. A sequence with prev_sample_row r takes its one new token from row r of the
+    sampled tokens of step `step_id - 1` (the step launched just before, maybe still on the
+    device), as the runner's RunnerOutput orders them:
+
+        step 7 samples   rows  0: A   1: C   (its sample=True sequences, in order)
+        step 8           B [12, 13] prev_sample_row -1 | C [PLACEHOLDER_TOKEN] prev_sample_row 1
+
+    So a recorded sequence of SchedulerOutputs replays through a fresh runner."""
     sequences: list[ScheduledSequence] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     step_id: int = 0  # tells Scheduler.update which schedule() these results answer
@@ -76,13 +88,3 @@ class RunnerOutput:
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
-
-
-@dataclass(frozen=True)
-class CompletedStep:
-    """What a runner that runs a step at launch (a test fake, a host benchmark) returns from
-    launch(): a pending step whose wait() has nothing to wait for."""
-    result: RunnerOutput
-
-    def wait(self) -> RunnerOutput:
-        return self.result

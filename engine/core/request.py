@@ -102,10 +102,6 @@ class SamplingParams:
         need(self.output_kind in ("stream", "final_only"), "output_kind",
              "must be 'stream' or 'final_only'")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     @functools.cached_property
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

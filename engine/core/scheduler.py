@@ -16,10 +16,11 @@ Stop strings need text, so the engine (which detokenizes) finishes those via `fi
 
 Steps may be scheduled ahead: step N+1 is scheduled while step N is still on the device
 (its tokens are "pending"). A request whose next token step N samples gets a
-PLACEHOLDER_TOKEN in step N+1, which the runner fills from step N's device output:
+PLACEHOLDER_TOKEN in step N+1, with the row of step N's sampled output it comes from
+(`prev_sample_row`), which the runner reads from step N's device output:
 
     schedule N ─▶ launch N ─▶ schedule N+1 ─▶ launch N+1 ─▶ update N ─▶ ...
-                              A: [placeholder] at position p+1 (A's token p+1 is N's sample)
+                              A: [placeholder] at position p+1, from N's sample row of A
 
 A request runs ahead only when the pending token cannot end it by length and no penalty
 needs its output so far; if that token ends it (EOS, stop), step N+1's work for it is
@@ -98,6 +99,7 @@ class Scheduler:
         self._scheduled: list[tuple[Request, int]] = []
         self._step_id = 0
         self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
+        self._sample_rows: dict[str, int] = {}  # request id -> its row in the last step's samples
 
     # ------------------------------------------------------------------ intake
     def add(self, request: Request) -> None:
@@ -135,15 +137,18 @@ class Scheduler:
         if not preempted:  # memory is tight: let running requests drain first
             self._admit_waiting(budget)
         now = self.clock()
-        sequences, requests = [], {}
+        sequences, requests, sample_rows = [], {}, {}
         for request, num_new in self._scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             seq = self._describe(request, num_new)
             request.num_pending_tokens += num_new
             request.num_pending_samples += seq.sample
+            if seq.sample:
+                sample_rows[request.request_id] = len(sample_rows)
             sequences.append(seq)
             requests[request.request_id] = request
+        self._sample_rows = sample_rows
         self._step_id += 1
         if sequences:
             self._step_requests[self._step_id] = requests
@@ -214,12 +219,10 @@ class Scheduler:
         start = request.num_computed_tokens + request.num_pending_tokens
         end = start + num_new
         num_tokens = request.num_tokens
-        if start >= num_tokens:  # decoding ahead: the one new token is still pending
-            token_ids = [PLACEHOLDER_TOKEN] * num_new
-        else:
-            known = min(end, num_tokens)
-            token_ids = (request.tokens_between(start, known)
-                         + [PLACEHOLDER_TOKEN] * (end - known))
+        if start >= num_tokens:  # decoding ahead: the one new token is the last step's sample
+            token_ids, prev_row = [PLACEHOLDER_TOKEN], self._sample_rows[request.request_id]
+        else:  # nothing pending: every token up to `end` is known
+            token_ids, prev_row = request.tokens_between(start, end), -1
         block_ids = self.block_manager.block_ids(request.request_id)
         sample = end == num_tokens + request.num_pending_samples
         params = request.params
@@ -229,7 +232,7 @@ class Scheduler:
         num_output = request.num_output_tokens + request.num_pending_samples
         # positional: keyword arguments cost ~1 us more, per sequence per step
         return ScheduledSequence(request.request_id, token_ids, start, block_ids, sample, params,
-                                 output_ids, prompt_ids, num_output)
+                                 output_ids, prompt_ids, num_output, prev_row)
 
     # ----------------------------------------------------------------- update
     def update(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:

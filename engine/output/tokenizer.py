@@ -66,7 +66,6 @@ def _whole_text(data: bytes) -> str | None:
 
 class Tokenizer:
     vocab_size = 50257
-    eos_token_id = 50256
 
     def __init__(self) -> None:
         self.encoding = gpt2_encoding()

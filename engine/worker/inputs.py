@@ -1,6 +1,6 @@
-"""Host-side input preparation: a step's ScheduledSequences become flat arrays (HostInputs),
-then device tensors plus attention metadata (StepInputs). Decode steps that replay CUDA graphs
-take the HostInputs straight into the graphs' static buffers.
+"""Host-side input preparation for eager steps: a step's ScheduledSequences become flat arrays
+(HostInputs), then device tensors plus attention metadata (StepInputs). Steps that replay CUDA
+graphs are staged by the graphs' own stagers (engine.worker.cuda_graphs).
 
     seqs        A: 3 new tokens at positions 5..7     B: 1 new token at position 12
     token_ids   [a5 a6 a7 b12]         positions    [5 6 7 12]
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engine.worker.attention import AttentionMetadata
-from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence
+from engine.core.batch import ScheduledSequence
 
 
 @dataclass
@@ -44,23 +44,6 @@ def is_decode_step(seqs: list[ScheduledSequence]) -> bool:
     """One new token per sequence and every sequence samples (a 1-token prompt chunk that
     does not reach the end of its prompt is not a decode)."""
     return all(len(s.token_ids) == 1 and s.sample for s in seqs)
-
-
-def placeholder_sources(seqs: list[ScheduledSequence],
-                        last_rows: dict[str, int] | None) -> list[int]:
-    """Per sequence: the row of its placeholder token among the previous launch's sampled
-    tokens (`last_rows`: request id -> row), or -1 when its tokens are all known. (A
-    placeholder is always a sequence's only new token: the one the step just before samples.)"""
-    sources = []
-    for s in seqs:
-        if s.token_ids[0] != PLACEHOLDER_TOKEN:
-            sources.append(-1)
-        elif last_rows is None or s.request_id not in last_rows:
-            raise RuntimeError(f"{s.request_id}: placeholder token, but the previous step "
-                               f"sampled nothing for it")
-        else:
-            sources.append(last_rows[s.request_id])
-    return sources
 
 
 def prepare_host_inputs(seqs: list[ScheduledSequence], block_size: int,
@@ -116,139 +99,6 @@ def _decode_host_inputs(seqs: list[ScheduledSequence], block_size: int,
         sample_indices=rows, max_query_len=1)
 
 
-PADDING_ROW = (0,)  # a padding row attends to position 0 of block 0 (the cache is zeroed)
-
-
-class DecodeStager:
-    """Writes decode steps (one token per sequence) straight into fixed host arrays, the CUDA
-    graphs' pinned staging buffers, for a padded batch of `size` rows:
-
-        ids64 [7, n]         (row 0: filled on the device) | token ids | positions |
-                             slot mapping | token source | draw seed | draw temperature
-                             (float64 bits)
-                             padding: 0 | 0 | -1 | n + row | 0 | 0 (greedy: no noise)
-        ids32 [n + n * W]    seq_lens (padding: 1) | block tables [n, W] (padding: block 0)
-
-    The token source of row r is n + r (its own token id, row 1) for a known token, or
-    sources[r] (row 0: the previous step's sampled tokens) for a placeholder.
-
-    A block-table row is rewritten only when the blocks it holds differ from the sequence's
-    (a sequence gains a block every block_size tokens; rows shift when the batch changes),
-    compared as tuples (what the scheduler sends), so a typical step writes no table row at
-    all. Entries past a row's blocks may be stale: the kernels read a table only below the
-    sequence's length."""
-
-    def __init__(self, ids64: np.ndarray, ids32: np.ndarray, max_blocks_per_seq: int,
-                 block_size: int):
-        self.ids64, self.block_size = ids64, block_size
-        n = ids64.shape[1]
-        self.seq_lens = ids32[:n]
-        self.tables = ids32[n:].reshape(n, max_blocks_per_seq)
-        self._rows: list[tuple[int, ...] | None] = [None] * n  # what each table row holds
-
-    def write(self, seqs: list[ScheduledSequence], size: int, sources: list[int],
-              draw_inputs: tuple[np.ndarray, np.ndarray]) -> None:
-        """Only the per-sequence reads are Python; the arithmetic is numpy over the batch.
-        `draw_inputs`: each row's temperature and noise seed (Sampler.draw_inputs)."""
-        batch, bs, n = len(seqs), self.block_size, self.ids64.shape[1]
-        self._write_tables(seqs, size)
-        token_ids, positions, slots, token_source = self.ids64[1:5, :batch]
-        token_ids[:] = [s.token_ids[0] for s in seqs]
-        np.maximum(token_ids, 0, out=token_ids)  # a placeholder's id is read from row 0
-        positions[:] = [s.start_position for s in seqs]
-        rows = np.arange(batch)
-        slots[:] = self.tables[rows, positions // bs] * bs + positions % bs
-        token_source[:] = sources
-        np.copyto(token_source, rows + n, where=token_source < 0)
-        self.ids64[1:4, batch:size] = ((0,), (0,), (-1,))
-        self.ids64[4, batch:size] = range(n + batch, n + size)
-        stage_draw_inputs(self.ids64, draw_inputs, size)
-        self.seq_lens[:batch] = positions + 1
-        self.seq_lens[batch:size] = 1
-
-    def _write_tables(self, seqs: list[ScheduledSequence], size: int) -> None:
-        """The rows whose blocks changed (see the class docstring), then the padding rows."""
-        for row, s in enumerate(seqs):
-            if self._rows[row] != s.block_ids:
-                self.tables[row, :len(s.block_ids)] = s.block_ids
-                self._rows[row] = tuple(s.block_ids)  # no copy of the scheduler's tuple
-        for row in range(len(seqs), size):
-            if self._rows[row] != PADDING_ROW:
-                self.tables[row, 0] = 0
-                self._rows[row] = PADDING_ROW
-
-
-class MixedStager:
-    """Writes a step with prompt tokens (HostInputs) into the mixed-step graphs' staging
-    arrays, padded to `size` tokens and `rows` sequences (engine.worker.cuda_graphs):
-
-        ids64 [7, n]    as DecodeStager's; token rows padded with (0, 0, -1, own token);
-                        draw rows hold the sampling sequences' seeds and temperatures
-                        (padding: 0, greedy)
-        ids32           query_start_loc [S+1] (padding: T) | seq_lens [S] (padding: 0) |
-                        sample rows [S] (padding: 0) | block tables [S, W]
-
-    (S here is the graphs' max_num_seqs; `layout` gives each segment's range.)"""
-
-    def __init__(self, ids64: np.ndarray, ids32: np.ndarray, max_num_seqs: int,
-                 max_blocks_per_seq: int):
-        self.ids64 = ids64
-        (self.query_start_loc, self.seq_lens, self.sample_rows,
-         self.tables) = self.segments(ids32, max_num_seqs, max_blocks_per_seq)
-
-    @staticmethod
-    def layout(max_num_seqs: int, max_blocks_per_seq: int) -> dict[str, tuple[int, int]]:
-        """Each ids32 segment's (start, end)."""
-        sizes = {"query_start_loc": max_num_seqs + 1, "seq_lens": max_num_seqs,
-                 "sample_rows": max_num_seqs, "tables": max_num_seqs * max_blocks_per_seq}
-        ends = np.cumsum(list(sizes.values())).tolist()
-        return {name: (end - size, end) for (name, size), end in zip(sizes.items(), ends)}
-
-    @classmethod
-    def segments(cls, ids32, max_num_seqs: int, max_blocks_per_seq: int) -> tuple:
-        """Views of ids32 (a numpy array here, the graphs' device tensor there): query start
-        locations, seq_lens, sample rows, block tables [max_num_seqs, W]."""
-        (q, s, r, t) = (ids32[start:end] for start, end
-                        in cls.layout(max_num_seqs, max_blocks_per_seq).values())
-        return q, s, r, t.reshape(max_num_seqs, max_blocks_per_seq)
-
-    def write(self, host: HostInputs, sources: list[int],
-              draw_inputs: tuple[np.ndarray, np.ndarray], size: int, rows: int) -> None:
-        """`sources[s]` >= 0: sequence s's one new token is a placeholder, row sources[s] of
-        the previous step's samples (see DecodeStager)."""
-        n = self.ids64.shape[1]
-        tokens, seqs, samples = len(host.token_ids), len(host.seq_lens), len(host.sample_indices)
-        token_ids, positions, slots, token_source = self.ids64[1:5]
-        np.maximum(host.token_ids, 0, out=token_ids[:tokens])  # placeholders come from row 0
-        positions[:tokens] = host.positions
-        slots[:tokens] = host.slot_mapping
-        token_source[:size] = np.arange(n, n + size)
-        sources = np.asarray(sources)
-        placeholders = np.flatnonzero(sources >= 0)
-        token_source[host.query_start_loc[placeholders]] = sources[placeholders]
-        self.ids64[1:4, tokens:size] = ((0,), (0,), (-1,))
-        stage_draw_inputs(self.ids64, draw_inputs, rows)
-        self.query_start_loc[:seqs + 1] = host.query_start_loc
-        self.query_start_loc[seqs + 1:rows + 1] = tokens
-        self.seq_lens[:seqs] = host.seq_lens
-        self.seq_lens[seqs:rows] = 0
-        self.sample_rows[:samples] = host.sample_indices
-        self.sample_rows[samples:rows] = 0
-        self.tables[:seqs] = host.block_tables
-
-
-def stage_draw_inputs(ids64: np.ndarray, draw_inputs: tuple[np.ndarray, np.ndarray],
-                      rows: int) -> None:
-    """Rows 5-6 of a graph's int64 staging: each sampling row's seed and temperature
-    (float64 bits), then greedy padding (all zero bits: seed 0, temperature 0.0) up to
-    `rows`."""
-    temperature, seeds = draw_inputs
-    samples = len(seeds)
-    ids64[5, :samples] = seeds
-    ids64[6, :samples].view(np.float64)[:] = temperature
-    ids64[5:, samples:rows] = 0
-
-
 def upload(array: np.ndarray | list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host array to device without waiting: through pinned memory on CUDA, since a copy from
     pageable memory first waits for all work queued on the device (the step in flight)."""
@@ -272,3 +122,13 @@ def to_device(host: HostInputs, device: torch.device) -> StepInputs:
     return StepInputs(on_device(host.token_ids, torch.int64),
                       on_device(host.positions, torch.int64), meta,
                       on_device(host.sample_indices, torch.int64))
+
+
+def take_placeholders(step: StepInputs, host: HostInputs, sources: list[int],
+                      prev_tokens: torch.Tensor) -> None:
+    """Sequence i with sources[i] >= 0 has one new token, a placeholder: take it from row
+    sources[i] of the previous step's sampled tokens (`prev_tokens`, on the device)."""
+    rows = [i for i, src in enumerate(sources) if src >= 0]
+    dst = upload(host.query_start_loc[rows], torch.int64, prev_tokens.device)
+    src = upload([sources[i] for i in rows], torch.int64, prev_tokens.device)
+    step.input_ids[dst] = prev_tokens[src]

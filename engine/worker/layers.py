@@ -1,12 +1,13 @@
 """The model's elementwise building blocks, as a swappable set of functions.
 
-`TORCH_OPS` is the plain-PyTorch reference; `kernels.TRITON_OPS` provides fused Triton versions
-with the same signatures. The model receives one `Ops` at construction (no global switch).
+`TORCH_OPS` is the plain-PyTorch reference; the Triton backend (`kernels.backend.triton_ops`)
+provides fused Triton versions with the same signatures. The model receives one `Ops` at
+construction (no global switch).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,15 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor,
     temperature = temperature.float()[:, None]
     noisy = logits / temperature.clamp(min=1e-30) + gumbel_noise(seeds, logits.shape[1])
     return torch.where(temperature > 0, noisy, logits).argmax(dim=-1)
+
+
+class LinearShape(NamedTuple):
+    """A linear layer as `Ops` serves it: weight [n, k]; `norm`: called through
+    add_norm_linear (the residual add and LayerNorm fused before it); `gelu`: GELU after."""
+    n: int
+    k: int
+    gelu: bool
+    norm: bool
 
 
 @dataclass(frozen=True)

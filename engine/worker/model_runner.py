@@ -17,12 +17,12 @@ from engine.worker.attention import get_attention_backend
 from engine.core.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
-from engine.worker.inputs import (is_decode_step, placeholder_sources, prepare_host_inputs, to_device,
-                           upload)
-from engine.worker.layers import TORCH_OPS, Ops
-from engine.worker.models.gpt2 import GPT2Config, load_gpt2, resolve_model_dir
+from engine.worker.inputs import (is_decode_step, prepare_host_inputs, take_placeholders,
+                                  to_device)
+from engine.worker.layers import TORCH_OPS, LinearShape, Ops
+from engine.worker.models.gpt2 import KVCache, find_checkpoint, load_gpt2
 from engine.core.request import SamplingParams
-from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput, is_plain_draw
+from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput
 
 log = logging.getLogger(__name__)
 
@@ -51,27 +51,19 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def ops_for(backend: str, config: EngineConfig, dtype: torch.dtype,
-            device: torch.device) -> Ops:
+def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig,
+            dtype: torch.dtype, device: torch.device) -> Ops:
     """Fused Triton ops go with the Triton backend (imported lazily, so CPU runs need no
-    Triton), their linear layers routed by a table measured on this GPU for the decode
+    Triton), the model's linear layers routed by a table measured on this GPU for the decode
     batch sizes that CUDA graphs replay."""
     if backend != "triton":
         return TORCH_OPS
-    from kernels import triton_ops
-    from kernels.linear import measure_skinny_wins
+    from kernels.backend import measured_triton_ops, triton_ops
 
     if config.model.enforce_eager:
         return triton_ops()
-    cfg = GPT2Config.from_json(resolve_model_dir(config.model.model) / "config.json")
-    d, inner = cfg.n_embd, cfg.n_inner
-    # (N, K, gelu, norm): QKV and FC take the block's add + LayerNorm in their prologue
-    shapes = [(3 * d, d, False, True), (d, d, False, False), (inner, d, True, True),
-              (d, inner, False, False)]
-    wins = measure_skinny_wins(shapes, capture_sizes(config.scheduler.max_num_seqs), dtype,
-                               device)
-    log.info("skinny GEMM measured faster than cuBLAS for %d of the decode shapes", len(wins))
-    return triton_ops(wins)
+    return measured_triton_ops(linear_shapes, capture_sizes(config.scheduler.max_num_seqs),
+                               dtype, device)
 
 
 class ModelRunner:
@@ -80,14 +72,17 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
-        ops = ops_for(self.attention_backend, config, self.dtype, self.device)
-        self.model = load_gpt2(config.model.model, self.dtype, self.device, ops,
+        model_dir, model_config = find_checkpoint(config.model.model)
+        ops = ops_for(self.attention_backend, model_config.linear_shapes, config, self.dtype,
+                      self.device)
+        self.model = load_gpt2(model_dir, model_config, self.dtype, self.device, ops,
                                get_attention_backend(self.attention_backend))
         self.sampler = Sampler(config.model.seed, self.model.ops.sample)
         # captured once the KV cache exists
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        self._last_sampled: SampledOnDevice | None = None  # feeds the next step's placeholders
+        # the last launched step's sampled tokens, which the next step's placeholders name
+        self._last_step: LaunchedStep | None = None
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
         self.num_kv_blocks = config.cache.num_kv_blocks or self._num_blocks_that_fit()
@@ -130,7 +125,7 @@ class ModelRunner:
         per_layer = self.block_size * cfg.n_head * cfg.head_dim * self.dtype.itemsize
         return 2 * cfg.n_layer * per_layer
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         """Zeroed, so never-written slots hold finite values for kernels that load whole blocks."""
         cfg = self.model.config
         shape = (num_blocks, self.block_size, cfg.n_head, cfg.head_dim)
@@ -155,7 +150,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         weights = torch.cuda.memory_allocated(self.device)
-        self._profile_run()
+        step, num_blocks = self._profile_step()
+        self._launch(step, self._allocate_kv_cache(num_blocks)).wait()  # a scratch cache
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -178,9 +174,9 @@ class ModelRunner:
         logits_row = self.model.config.padded_vocab_size * self.dtype.itemsize
         return rows * logits_row + step_bytes + (256 << 20)
 
-    def _profile_run(self) -> None:
-        """One step with the full token budget over as many sequences as may run at once, each
-        sampling with the sort-based filters, on a throwaway cache just big enough."""
+    def _profile_step(self) -> tuple[SchedulerOutput, int]:
+        """The worst-case step: the full token budget over as many sequences as may run at
+        once, each sampling with the sort-based filters; and the blocks it needs."""
         sched = self.config.scheduler
         num_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         lens = [min(sched.max_model_len, len(chunk))
@@ -192,71 +188,79 @@ class ModelRunner:
             block_ids = list(range(next_block, next_block + num_blocks))
             seqs.append(ScheduledSequence(f"profile-{i}", [0] * n, 0, block_ids, True, params))
             next_block += num_blocks
-        self.kv_caches = self._allocate_kv_cache(next_block)
-        self.execute(SchedulerOutput(seqs))
-        del self.kv_caches
+        return SchedulerOutput(seqs), next_block
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Forward the scheduled tokens, writing their KV, and sample for sample=True
         sequences; waits for the result."""
         return self.launch(out).wait()
 
-    @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingStep:
         """Queue the step on the device and start copying its tokens back; returns at once.
-        Placeholder tokens are read from the previous launch's sampled tokens on the device."""
+        Placeholder tokens are read from step `out.step_id - 1`'s sampled tokens on the device,
+        the step launched just before."""
+        return self._launch(out, self.kv_caches)
+
+    @torch.inference_mode()
+    def _launch(self, out: SchedulerOutput, kv_caches: list[KVCache]) -> PendingStep:
         to_sample = [s for s in out.sequences if s.sample]
         draw_inputs = self.sampler.draw_inputs(to_sample)
-        logits, drawn = self._forward(out, draw_inputs)
-        self._last_sampled = None
+        logits, drawn = self._forward(out, draw_inputs, kv_caches)
         if not to_sample:  # prompt chunks only: nothing to sample
+            self._last_step = LaunchedStep(out.step_id, None)
             return PendingStep([], None)
-        if drawn is not None and is_plain_draw(to_sample):
-            sampled = SamplerOutput(drawn, [], [])
-        else:
-            sampled = self.sampler(logits, to_sample, draw_inputs)
+        sampled = self.sampler(logits, to_sample, draw_inputs, drawn)
         sampled.begin_host_copy()
-        request_ids = [s.request_id for s in to_sample]
-        self._last_sampled = SampledOnDevice(dict(zip(request_ids, range(len(request_ids)))),
-                                             sampled.token_ids)
-        return PendingStep(request_ids, sampled)
+        self._last_step = LaunchedStep(out.step_id, sampled.token_ids)
+        return PendingStep([s.request_id for s in to_sample], sampled)
 
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the forward (writing KV) and return float32 logits [num sample=True seqs, vocab]
         at each sampling sequence's last token. Exposed for tests and scoring."""
         to_sample = [s for s in out.sequences if s.sample]
         with torch.inference_mode():
-            return self._forward(out, self.sampler.draw_inputs(to_sample))[0].float()
+            draw_inputs = self.sampler.draw_inputs(to_sample)
+            return self._forward(out, draw_inputs, self.kv_caches)[0].float()
 
-    def _forward(self, out: SchedulerOutput,
-                 draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits of the sampling rows (`draw_inputs` are theirs; from a graph in the model's
-        dtype, else float32), plus each one's draw when a graph made it."""
+    def _forward(self, out: SchedulerOutput, draw_inputs: DrawInputs, kv_caches: list[KVCache]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the sampling rows in the model's dtype (`draw_inputs` are theirs), plus
+        each one's draw when a graph made it. Graphs run on the cache they captured."""
         if out.is_empty:
-            return torch.empty(0, self.model.config.vocab_size, device=self.device), None
+            return torch.empty(0, self.model.config.vocab_size, dtype=self.dtype,
+                               device=self.device), None
         seqs = out.sequences
-        sources = placeholder_sources(seqs, self._last_sampled and self._last_sampled.rows)
+        sources = [s.prev_sample_row for s in seqs]
+        prev_tokens = self._prev_sampled(out, sources)
         if (self.decode_graphs is not None and len(seqs) <= self.decode_graphs.max_batch
                 and is_decode_step(seqs)):
-            return self.decode_graphs.run(seqs, sources, self._last_sampled, draw_inputs)
+            return self.decode_graphs.run(seqs, sources, prev_tokens, draw_inputs)
         host = prepare_host_inputs(seqs, self.block_size, self.max_blocks_per_seq)
         if self.mixed_graphs is not None and self.mixed_graphs.fits(host):
-            return self.mixed_graphs.run(host, sources, self._last_sampled, draw_inputs)
+            return self.mixed_graphs.run(host, sources, prev_tokens, draw_inputs)
         step = to_device(host, self.device)
-        if any(src >= 0 for src in sources):
-            rows = [i for i, src in enumerate(sources) if src >= 0]
-            dst = upload(host.query_start_loc[rows], torch.int64, self.device)
-            src = upload([sources[i] for i in rows], torch.int64, self.device)
-            step.input_ids[dst] = self._last_sampled.token_ids[src]
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
-        return self.model.compute_logits(hidden[step.sample_indices]), None
+        if prev_tokens is not None:
+            take_placeholders(step, host, sources, prev_tokens)
+        hidden = self.model(step.input_ids, step.positions, kv_caches, step.meta)
+        return self.model.lm_head(hidden[step.sample_indices]), None
+
+    def _prev_sampled(self, out: SchedulerOutput, sources: list[int]) -> torch.Tensor | None:
+        """The device tokens that `out`'s placeholders (sources >= 0) name: those step
+        `out.step_id - 1` sampled, which must be the last launch. None when it has none."""
+        if max(sources, default=-1) < 0:
+            return None
+        last = self._last_step
+        if last is None or last.step_id != out.step_id - 1 or last.token_ids is None:
+            raise RuntimeError(f"step {out.step_id} has placeholder tokens, but the last launch "
+                               f"is not a step {out.step_id - 1} that sampled tokens: {last}")
+        return last.token_ids
 
 
 @dataclass(frozen=True)
-class SampledOnDevice:
-    """A launched step's sampled tokens, still on the device, by request id."""
-    rows: dict[str, int]
-    token_ids: torch.Tensor
+class LaunchedStep:
+    """A launched step's sampled tokens, still on the device (None: it sampled nothing)."""
+    step_id: int
+    token_ids: torch.Tensor | None
 
 
 @dataclass

@@ -10,7 +10,7 @@ argmax of logits / T plus Gumbel noise hashed from the row's seed and the token 
 plain argmax for greedy rows. A seeded request's seed for a token is (seed, tokens generated
 so far), so its tokens depend neither on its batch nor on preemption, nor on which path drew
 them; unseeded rows take fresh seeds from the sampler's generator. When every row of a step
-that ran as a CUDA graph is plain, the graph's own draw is the answer and nothing here runs.
+that ran as a CUDA graph is plain, the sampler takes the graph's own draw and launches nothing.
 Per-row parameters reach the device through pinned memory (`engine.worker.inputs.upload`), so
 sampling never waits for the step still running before it.
 """
@@ -101,12 +101,18 @@ class Sampler:
         return temperature, seeds
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
-                 draw_inputs: DrawInputs | None = None) -> SamplerOutput:
+                 draw_inputs: DrawInputs | None = None,
+                 drawn: torch.Tensor | None = None) -> SamplerOutput:
+        """Next tokens from `logits` (the model's dtype, as the model returns them; filters
+        work on a float32 copy). `drawn`: each row's draw already made on the device at these
+        draw inputs (a CUDA graph's), which is the answer when every row is a plain draw."""
         temperature, seeds = draw_inputs or self.draw_inputs(seqs)
-        seeds = upload(seeds, torch.int64, logits.device)
         if is_plain_draw(seqs):
-            return SamplerOutput(self.draw(logits, upload(temperature, torch.float32,
-                                                          logits.device), seeds), [], [])
+            if drawn is None:
+                drawn = self.draw(logits, upload(temperature, torch.float32, logits.device),
+                                  upload(seeds, torch.int64, logits.device))
+            return SamplerOutput(drawn, [], [])
+        seeds = upload(seeds, torch.int64, logits.device)
         logits = sanitize(logits.float())
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], -1) if logprob_rows else None

@@ -14,6 +14,7 @@ import torch
 from triton.runtime.jit import KernelInterface
 
 import kernels
+from kernels import pdl
 from kernels.pdl import pdl_options
 
 
@@ -41,3 +42,16 @@ def test_every_kernel_starts_with_the_pdl_prologue():
 
 def test_cpu_launches_never_use_pdl():
     assert pdl_options(torch.device("cpu")) == {"USE_PDL": False}
+
+
+def test_the_pdl_switch_is_read_at_each_launch(monkeypatch):
+    """On a device that supports PDL, GPT2_SERVE_PDL=0 turns it off for the next launch (no
+    value cached from an earlier one), for A/B timings in one process."""
+    monkeypatch.setattr(pdl, "_pdl_supported", lambda device: True)
+    monkeypatch.delenv("GPT2_SERVE_PDL", raising=False)
+    device = torch.device("cuda")
+    assert pdl_options(device) == {"USE_PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("GPT2_SERVE_PDL", "0")
+    assert pdl_options(device) == {"USE_PDL": False}
+    monkeypatch.delenv("GPT2_SERVE_PDL")
+    assert pdl_options(device)["USE_PDL"]

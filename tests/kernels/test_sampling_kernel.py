@@ -3,10 +3,16 @@ rows draw the reference's token, from the same hashed Gumbel noise."""
 import pytest
 import torch
 
+from engine.worker import layers
 from engine.worker.layers import gumbel_noise
 from engine.worker.layers import sample as sample_reference
 from kernel_cases import DEVICE, DTYPES
+from kernels import sampling
 from kernels.sampling import CHUNK, row_sample
+
+
+def test_kernel_hashes_with_the_reference_multipliers():
+    assert sampling.HASH_MULTIPLIERS == layers.HASH_MULTIPLIERS
 
 
 def random_seeds(rows: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.worker.attention import AttentionBackend, AttentionMetadata
-from engine.worker.layers import Ops
+from engine.worker.layers import LinearShape, Ops
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
@@ -55,6 +55,16 @@ class GPT2Config:
     @property
     def padded_vocab_size(self) -> int:
         return -(-self.vocab_size // VOCAB_PAD) * VOCAB_PAD
+
+    @property
+    def linear_shapes(self) -> list[LinearShape]:
+        """The four linear layers of a block, as `ops` sees them: QKV and FC take the block's
+        add + LayerNorm in their prologue (add_norm_linear), FC its GELU."""
+        d, inner = self.n_embd, self.n_inner
+        return [LinearShape(3 * d, d, gelu=False, norm=True),
+                LinearShape(d, d, gelu=False, norm=False),
+                LinearShape(inner, d, gelu=True, norm=True),
+                LinearShape(d, inner, gelu=False, norm=False)]
 
     @classmethod
     def from_json(cls, path: Path) -> GPT2Config:
@@ -151,16 +161,17 @@ class GPT2(nn.Module):
         a view that drops the padding columns, its rows still aligned."""
         return F.linear(hidden, self.wte.weight)[:, :self.config.vocab_size]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, n_embd] -> float32 logits [N, vocab], contiguous."""
-        return self.lm_head(hidden).float()
 
-
-def load_gpt2(model: str, dtype: torch.dtype, device: torch.device | str, ops: Ops,
-              attention: AttentionBackend) -> GPT2:
-    """Build GPT-2 from a local HF directory or a hub id, weights cast to dtype on device."""
+def find_checkpoint(model: str) -> tuple[Path, GPT2Config]:
+    """A local HF directory or a hub id -> its directory and config (what load_gpt2 takes)."""
     model_dir = resolve_model_dir(model)
-    cfg = GPT2Config.from_json(model_dir / "config.json")
+    return model_dir, GPT2Config.from_json(model_dir / "config.json")
+
+
+def load_gpt2(model_dir: Path, cfg: GPT2Config, dtype: torch.dtype, device: torch.device | str,
+              ops: Ops, attention: AttentionBackend) -> GPT2:
+    """Build GPT-2 from a checkpoint directory (find_checkpoint), weights cast to dtype on
+    device."""
     with torch.device("meta"):  # no allocation or random init: the checkpoint fills it
         gpt2 = GPT2(cfg, ops, attention)
     state = load_weights(model_dir, dtype, device)

@@ -1,0 +1,129 @@
+"""Decode graphs: one token per sequence, per padded batch size, and the stager that writes a
+decode step into their pinned buffers.
+
+A step of B sequences replays the smallest captured size >= B; rows B.. are padding that can
+do no harm:
+
+    row        0    1    2    3    4  | 5    6    7        (B = 5, graph for 8)
+    slot       s0   s1   s2   s3   s4 | -1   -1   -1       -1: KV store skips the row
+    seq_len    c0   c1   c2   c3   c4 | 1    1    1        attends to block 0, slot 0
+    block row  ...                    | 0 0 0 ...         (finite: the cache is zeroed)
+
+Their attention metadata is fixed at capture: max_seq_len is the model's context length, so
+the split-KV grid covers any sequence, and the kernels mask by seq_lens.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from engine.core.batch import ScheduledSequence
+from engine.worker.attention import AttentionMetadata
+from engine.worker.cuda_graphs.buffers import BufferLayout, stage_draw_inputs
+from engine.worker.cuda_graphs.graph_set import GraphSet, capture_sizes
+from engine.worker.sampler import DrawInputs
+
+PADDING_ROW = (0,)  # a padding row attends to position 0 of block 0 (the cache is zeroed)
+
+
+def decode_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
+    """The decode graphs' int32 buffer."""
+    return BufferLayout(seq_lens=max_batch, block_tables=(max_batch, max_blocks_per_seq))
+
+
+class DecodeGraphs(GraphSet):
+    def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
+                 max_blocks_per_seq: int, block_size: int, max_model_len: int,
+                 device: torch.device):
+        sizes = capture_sizes(max_num_seqs)
+        super().__init__(model, kv_caches, sizes,
+                         decode_meta_layout(sizes[-1], max_blocks_per_seq), device,
+                         lambda tokens, meta: DecodeStager(tokens, meta, block_size))
+        self.max_model_len = max_model_len
+        self.query_start_loc = torch.arange(sizes[-1] + 1, dtype=torch.int32, device=device)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        meta = AttentionMetadata(
+            slot_mapping=self.tokens.slot_mapping[:size],
+            block_tables=self.meta.block_tables[:size], seq_lens=self.meta.seq_lens[:size],
+            query_start_loc=self.query_start_loc[:size + 1], max_query_len=1,
+            max_seq_len=self.max_model_len)
+        hidden = self.model(self._input_ids(size), self.tokens.positions[:size],
+                            self.kv_caches, meta)
+        return self._logits_and_draws(hidden)
+
+    def run(self, seqs: list[ScheduledSequence], sources: list[int],
+            prev_tokens: torch.Tensor | None,
+            draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph for this decode batch; sources[i] >= 0 is the row of sequence i's
+        placeholder token in prev_tokens (the previous step's samples). Returns logits
+        [B, vocab] and each row's token drawn at its temperature and seed (`draw_inputs`),
+        views valid until the next replay."""
+        batch = len(seqs)
+        size = next(s for s in self.sizes if s >= batch)
+        self._replay(size, lambda stager: stager.write(seqs, size, sources, draw_inputs),
+                     prev_tokens, size)
+        return self.logits[size][:batch], self.drawn[size][:batch]
+
+
+class DecodeStager:
+    """Writes decode steps (one token per sequence) into the named views of one pinned mirror
+    (`tokens`: token_layout; `meta`: decode_meta_layout), for a padded batch of `size` rows.
+    Padding rows: token 0, position 0, slot -1, their own token, greedy draw (seed 0,
+    temperature 0); seq_len 1, block table row [0].
+
+    The token source of row r is its own token id for a known token, or sources[r], the row of
+    the previous step's sampled tokens, for a placeholder (see token_layout).
+
+    A block-table row is rewritten only when the blocks it holds differ from the sequence's
+    (a sequence gains a block every block_size tokens; rows shift when the batch changes),
+    compared as tuples (what the scheduler sends), so a typical step writes no table row at
+    all. Entries past a row's blocks may be stale: the kernels read a table only below the
+    sequence's length."""
+
+    def __init__(self, tokens: SimpleNamespace, meta: SimpleNamespace, block_size: int):
+        self.tokens, self.meta, self.block_size = tokens, meta, block_size
+        n = len(tokens.token_ids)
+        self._own_token = np.arange(n, 2 * n)  # token_source of each row's own token id
+        self._rows: list[tuple[int, ...] | None] = [None] * n  # what each table row holds
+
+    def write(self, seqs: list[ScheduledSequence], size: int, sources: list[int],
+              draw_inputs: DrawInputs) -> None:
+        """Only the per-sequence reads are Python; the arithmetic is numpy over the batch.
+        `draw_inputs`: each row's temperature and noise seed (Sampler.draw_inputs)."""
+        batch, bs, t = len(seqs), self.block_size, self.tokens
+        self._write_tables(seqs, size)
+        token_ids, positions = t.token_ids[:batch], t.positions[:batch]
+        token_ids[:] = [s.token_ids[0] for s in seqs]
+        np.maximum(token_ids, 0, out=token_ids)  # a placeholder's id comes from prev_tokens
+        positions[:] = [s.start_position for s in seqs]
+        rows = np.arange(batch)
+        t.slot_mapping[:batch] = self.meta.block_tables[rows, positions // bs] * bs + positions % bs
+        source = t.token_source[:batch]
+        source[:] = sources
+        np.copyto(source, self._own_token[:batch], where=source < 0)
+        t.token_ids[batch:size] = 0
+        t.positions[batch:size] = 0
+        t.slot_mapping[batch:size] = -1
+        t.token_source[batch:size] = self._own_token[batch:size]
+        stage_draw_inputs(t, draw_inputs, size)
+        self.meta.seq_lens[:batch] = positions + 1
+        self.meta.seq_lens[batch:size] = 1
+
+    def _write_tables(self, seqs: list[ScheduledSequence], size: int) -> None:
+        """The rows whose blocks changed (see the class docstring), then the padding rows."""
+        tables = self.meta.block_tables
+        for row, s in enumerate(seqs):
+            if self._rows[row] != s.block_ids:
+                tables[row, :len(s.block_ids)] = s.block_ids
+                self._rows[row] = tuple(s.block_ids)  # no copy of the scheduler's tuple
+        for row in range(len(seqs), size):
+            if self._rows[row] != PADDING_ROW:
+                tables[row, 0] = 0
+                self._rows[row] = PADDING_ROW

@@ -1,0 +1,110 @@
+"""What the decode and mixed-step graph sets share: capture sizes, the packed device buffers
+with their pinned staging mirrors, capture and replay."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
+
+MIN_MIXED_TOKENS = 16  # the smallest mixed-step graph (tl.dot tiles need 16 rows)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes: 1, 2, 4, 8, then steps of 8 up to max_num_seqs (always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(8 if max_num_seqs > 8 else max_num_seqs, max_num_seqs, 8))
+    sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Mixed-step token counts: powers of two from 16, then the token budget itself."""
+    sizes = [1 << p for p in range(4, max_num_batched_tokens.bit_length())
+             if 1 << p < max_num_batched_tokens]
+    return sizes + [max(max_num_batched_tokens, MIN_MIXED_TOKENS)]
+
+
+# builds a stager from the named views of one pinned mirror: (tokens, meta) -> stager
+MakeStager = Callable[[SimpleNamespace, SimpleNamespace], object]
+
+
+class GraphSet:
+    """Graphs of one kind, one per padded size, reading two packed device buffers: `tokens`
+    (int64, `token_layout`) and `meta` (int32, the subclass's layout). Two pinned staging
+    mirrors fill them in turn: when step N+1 is staged (scheduling ahead), step N's copies
+    may still be queued behind step N-1 on the device, so N+1 writes the mirror N-1 used,
+    whose copies are done (N-1 was waited for). A subclass defines forward(size): what its
+    graph of that size records, run eagerly (logits and each row's draw)."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: list[int],
+                 meta_layout: BufferLayout, device: torch.device, make_stager: MakeStager):
+        self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
+        self.token_layout, self.meta_layout = token_layout(sizes[-1]), meta_layout
+        self._ids64 = torch.zeros(self.token_layout.size, dtype=torch.int64, device=device)
+        self._ids32 = torch.zeros(meta_layout.size, dtype=torch.int32, device=device)
+        self.tokens = self.token_layout.views(self._ids64)
+        self.meta = meta_layout.views(self._ids32)
+        self.tokens.slot_mapping.fill_(-1)  # nothing is stored while the graphs are captured
+        self._staging = [_PinnedStaging(self, make_stager) for _ in range(2)]
+        self._steps_staged = 0
+        self._token_pool = self._ids64[:self.token_layout.end("token_ids")]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.drawn: dict[int, torch.Tensor] = {}  # each row's draw from its logits
+
+    def _input_ids(self, size: int) -> torch.Tensor:
+        return self._token_pool.index_select(0, self.tokens.token_source[:size])
+
+    def _logits_and_draws(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draw reads the model-dtype logits (widened exactly in the kernel): no float32
+        copy of every row in the graph."""
+        logits = self.model.lm_head(hidden)
+        rows = logits.shape[0]
+        return logits, self.model.ops.sample(logits, self.tokens.draw_temperature[:rows],
+                                             self.tokens.draw_seeds[:rows])
+
+    @torch.inference_mode()
+    def capture(self, pool=None):
+        """Capture every size, largest first, into `pool` (None: a new one). Returns the
+        pool, for the next set to share."""
+        for size in reversed(self.sizes):
+            self.forward(size)  # warm-up: compiles kernels, settles the allocator
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size], self.drawn[size] = self.forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        return pool
+
+    def _replay(self, size: int, stage: Callable, prev_tokens: torch.Tensor | None,
+                meta_rows: int) -> None:
+        """stage(stager) fills the next pinned mirror; then copy it (`meta` up to its first
+        `meta_rows` block-table rows) and the previous step's sampled tokens (when
+        placeholders read them) in, and replay."""
+        staging = self._staging[self._steps_staged % 2]
+        self._steps_staged += 1
+        stage(staging.stager)
+        if prev_tokens is not None:
+            self.tokens.prev_tokens[:len(prev_tokens)].copy_(prev_tokens, non_blocking=True)
+        # one contiguous range each: a strided copy from pinned memory would be staged by
+        # torch through pageable memory, whose copy waits for the step still on the device
+        known = self.token_layout.start("token_ids")
+        self._ids64[known:].copy_(staging.ids64[known:], non_blocking=True)
+        used = self.meta_layout.end("block_tables", meta_rows)
+        self._ids32[:used].copy_(staging.ids32[:used], non_blocking=True)
+        self.graphs[size].replay()
+
+
+class _PinnedStaging:
+    """Pinned host mirrors of a graph set's two buffers, with the stager that fills them."""
+
+    def __init__(self, graphs: GraphSet, make_stager: MakeStager):
+        self.ids64 = torch.zeros_like(graphs._ids64, device="cpu").pin_memory()
+        self.ids32 = torch.zeros_like(graphs._ids32, device="cpu").pin_memory()
+        self.stager = make_stager(graphs.token_layout.views(self.ids64.numpy()),
+                                  graphs.meta_layout.views(self.ids32.numpy()))

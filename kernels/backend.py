@@ -1,0 +1,54 @@
+"""The Triton backend: the one module where engine/ and kernels/ meet. The engine asks for it
+by name (attention_backend "triton") and gets the fused ops and the attention backend from
+here; no other module of kernels/ imports engine/, and no other module of engine/ imports
+kernels/ (tests/test_layers.py holds both to that)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.worker.attention import AttentionMetadata
+from engine.worker.layers import LinearShape, Ops
+from kernels.layernorm import add_layer_norm, layer_norm
+from kernels.linear import LinearDispatch, SkinnyWins, measure_skinny_wins
+from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
+from kernels.sampling import row_sample
+from kernels.store_kv import store_kv
+
+log = logging.getLogger(__name__)
+
+
+def triton_ops(skinny_wins: SkinnyWins | None = None) -> Ops:
+    """Fused Triton ops; linear layers take the skinny GEMM for the measured winning shapes,
+    in the tile config that won (none: cuBLAS for every linear)."""
+    linear = LinearDispatch(skinny_wins)
+    return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
+               add_norm_linear=linear.add_norm_linear, sample=row_sample)
+
+
+def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],
+                        dtype: torch.dtype, device: torch.device) -> Ops:
+    """triton_ops with the skinny GEMM wherever it measured faster than cuBLAS on this GPU,
+    for the model's linear `shapes` at the decode `batch_sizes` that CUDA graphs replay."""
+    wins = measure_skinny_wins(shapes, batch_sizes, dtype, device)
+    log.info("skinny GEMM measured faster than cuBLAS for %d of the decode shapes", len(wins))
+    return triton_ops(wins)
+
+
+class TritonAttention:
+    """When every sequence has exactly one new token, the decode kernel, which also stores the
+    new K/V; otherwise store_kv, then the varlen prefill kernel. Grids come from the host ints
+    in AttentionMetadata, so a forward never syncs with the device."""
+    name = "triton"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        if meta.is_decode_only and q.shape[0] == meta.num_seqs:  # the decode kernel stores
+            return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                          scale, max_seq_len=meta.max_seq_len,
+                                          new_kv=(k, v, meta.slot_mapping))
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, meta.max_query_len, scale)

@@ -1,0 +1,78 @@
+"""A step is described by its SchedulerOutput alone: the steps of a real engine run with async
+scheduling, recorded as pickled bytes, replay through a fresh runner to the same tokens."""
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.core.batch import RunnerOutput, SchedulerOutput
+from engine.core.config import EngineConfig
+from engine.worker.model_runner import ModelRunner
+
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+          SamplingParams(temperature=0.9, max_tokens=8, ignore_eos=True),
+          SamplingParams(temperature=1.2, seed=5, max_tokens=8, ignore_eos=True),
+          SamplingParams(top_k=5, max_tokens=8, ignore_eos=True)]
+
+
+class RecordingRunner:
+    """Passes each step to the real runner and keeps the step (pickled) and its output."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner, self.num_kv_blocks = runner, runner.num_kv_blocks
+        self.steps: list[bytes] = []
+        self.outputs: list[RunnerOutput] = []
+
+    def launch(self, out: SchedulerOutput):
+        self.steps.append(pickle.dumps(out))
+        pending = self.runner.launch(out)
+        self.outputs.append(pending.wait())
+        return pending
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_checkpoint) -> tuple[RecordingRunner, EngineConfig]:
+    """A 16-token budget mixes prompt chunks with decodes."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 30))] for _ in range(5)]
+    llm = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_num_seqs=4,
+              max_num_batched_tokens=16, num_kv_blocks=64, block_size=8,
+              attention_backend="torch", async_scheduling=True)
+    recorder = RecordingRunner(llm.engine.runner)
+    llm.engine.runner = recorder
+    llm.generate(prompts, [PARAMS[i % len(PARAMS)] for i in range(len(prompts))],
+                 use_tqdm=False)
+    return recorder, llm.engine.config
+
+
+def test_recorded_steps_replay_through_a_fresh_runner(recorded):
+    """Each placeholder names its own request's row of the step before; replayed, the steps
+    give the recorded tokens (unseeded rows take seeds from the runner's generator, which a
+    fresh runner with the same config seed repeats)."""
+    recorder, config = recorded
+    steps = [pickle.loads(raw) for raw in recorder.steps]
+    placeholders = 0
+    for prev, prev_out, step in zip(steps, recorder.outputs, steps[1:]):
+        for seq in (s for s in step.sequences if s.prev_sample_row >= 0):
+            assert prev.step_id == step.step_id - 1
+            assert prev_out.request_ids[seq.prev_sample_row] == seq.request_id
+            placeholders += 1
+    assert placeholders > 12  # most decodes were scheduled ahead
+
+    fresh = ModelRunner(config)
+    assert [fresh.execute(step) for step in steps] == recorder.outputs
+
+
+def test_a_step_whose_placeholders_name_another_launch_is_refused(recorded):
+    recorder, config = recorded
+    steps = [pickle.loads(raw) for raw in recorder.steps]
+    k = next(i for i, step in enumerate(steps)
+             if any(s.prev_sample_row >= 0 for s in step.sequences))
+    runner = ModelRunner(config)
+    for step in steps[:k - 1]:  # step k - 1, whose samples step k reads, is left out
+        runner.execute(step)
+    with pytest.raises(RuntimeError, match="placeholder tokens"):
+        runner.execute(steps[k])
