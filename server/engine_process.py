@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import multiprocessing
 import os
 import shutil
@@ -33,6 +34,8 @@ from engine.core.messages import CoreFailed, FromCore, ToCore
 from server.async_engine import stop_core
 
 PARENT_CHECK_MS = 1000  # how often an idle core looks for its parent
+SEND_TIMEOUT_MS = 1000  # a live core drains its inbox between steps; longer means it is stuck
+logger = logging.getLogger("gpt2serve.engine")
 
 
 class EngineStartupError(RuntimeError):
@@ -58,6 +61,16 @@ class EngineProcess:
         self._dir = tempfile.mkdtemp(prefix="gpt2serve-")
         self._to_core = f"ipc://{self._dir}/to_core"
         self._from_core = f"ipc://{self._dir}/from_core"
+        # bound before the core starts, which connects before it reports ready: nothing sent
+        # after "ready" can miss it
+        self._push = zmq.Context.instance().socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # never drop: the core drains between steps
+        self._push.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        self._push.bind(self._to_core)
+        self._pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(self._from_core)
+        self._encoder = msgspec.msgpack.Encoder()
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         report, child_report = context.Pipe(duplex=False)
         self._process = context.Process(
@@ -67,15 +80,6 @@ class EngineProcess:
         child_report.close()
         self.info = self._wait_ready(report)
         self.pool_tokens = self.info.pool_tokens
-        self._sync_context = zmq.Context()
-        self._push = self._sync_context.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)  # never drop: the core drains between steps
-        self._push.bind(self._to_core)
-        self._async_context = zmq.asyncio.Context()
-        self._pull = self._async_context.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.bind(self._from_core)
-        self._encoder = msgspec.msgpack.Encoder()
         self._reader: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -103,8 +107,14 @@ class EngineProcess:
         loop.add_reader(self._process.sentinel, self._on_exit, deliver)
 
     def send(self, message: ToCore) -> None:
-        if not self._push.closed:
+        """A dead core takes nothing (a PUSH with no peer would block the event loop)."""
+        if self._push.closed or not self._process.is_alive():
+            return
+        try:
             self._push.send(self._encoder.encode(message), copy=False)
+        except zmq.Again:
+            logger.error("the engine core took no message for %d ms; dropped a %s",
+                         SEND_TIMEOUT_MS, type(message).__name__)
 
     def is_alive(self) -> bool:
         return self._process.is_alive()
@@ -118,8 +128,6 @@ class EngineProcess:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
         if self._reader is not None:
             self._reader.cancel()
-        self._push.close(linger=0)
-        self._pull.close(linger=0)
         self._cleanup()
 
     async def _read(self, deliver: Callable[[FromCore], None]) -> None:
@@ -134,6 +142,8 @@ class EngineProcess:
                                f"{self._process.exitcode})"))
 
     def _cleanup(self) -> None:
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -150,18 +160,18 @@ def _core_main(config: EngineConfig, to_core: str, from_core: str, report: Conne
     except Exception as exc:
         report.send(("error", str(exc) or type(exc).__name__))
         raise SystemExit(1) from None
-    runner = core.runner
-    report.send(("ready", dict(
-        device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-        attention_backend=runner.attention_backend, num_kv_blocks=runner.num_kv_blocks,
-        pool_tokens=core.block_manager.num_tokens)))
-    report.close()
     context = zmq.Context()
     pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     pull.setsockopt(zmq.RCVHWM, 0)
     push.setsockopt(zmq.SNDHWM, 0)
     pull.connect(to_core)
     push.connect(from_core)
+    runner = core.runner
+    report.send(("ready", dict(
+        device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+        attention_backend=runner.attention_backend, num_kv_blocks=runner.num_kv_blocks,
+        pool_tokens=core.block_manager.num_tokens)))
+    report.close()
     decoder, encoder = msgspec.msgpack.Decoder(ToCore), msgspec.msgpack.Encoder()
 
     def receive(block: bool) -> list[ToCore]:
