@@ -1,0 +1,121 @@
+"""Served against offline, in one job: the same workload through `LLM.generate` and through
+the HTTP server (its engine core in its own process) driven by `gpt2-bench`.
+
+    python3 scripts/bench_serve.py --model gpt2 --out docs/benchmarks/h100
+
+1. offline: N random prompts (input-len in, output-len out, ignore_eos) and one single stream
+2. the server with the model's preset, then gpt2-bench runs:
+     burst    N requests at once (the saturation figure: served_to_offline)
+     rate20   20 requests/s (TTFT and ITL p99 at low load)
+     single   one request at a time (median ITL against offline single-stream decode)
+     sweep    --sweep-rates, distinct prompts per rate, with a PNG when matplotlib is there
+Writes serve_<model>.json (GPU name, every summary, served_to_offline) beside the sweep files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from bench_utils import ROOT, checkpoint_for, device_info, write_result
+from bench_offline import random_prompts, run_engine
+from engine import LLM
+
+
+def offline(checkpoint: str, preset: Path, args: argparse.Namespace) -> dict:
+    llm = LLM(model=checkpoint, config_file=str(preset), device="cuda")
+    run_engine(llm, random_prompts(16, 64, 0, seed=99), 8)  # warm-up
+    burst = run_engine(llm, random_prompts(args.num_prompts, args.input_len, 0, seed=1),
+                       args.output_len)
+    single = run_engine(llm, random_prompts(1, args.input_len, 0, seed=2), args.output_len)
+    del llm
+    torch.cuda.empty_cache()
+    return {"burst": burst, "single_stream_ms_per_token":
+            1e3 * single["seconds"] / args.output_len}
+
+
+def start_server(checkpoint: str, preset: Path, model: str, port: int, log: Path):
+    command = [sys.executable, "-m", "server", "--model", checkpoint, "--config", str(preset),
+               "--served-model-name", model, "--port", str(port), "--host", "127.0.0.1",
+               "--max-queued-requests", "100000", "--log-interval", "5"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the server did not become ready; see {log}")
+
+
+def bench(port: int, out: Path, name: str, *flags: str) -> dict:
+    result = out / f"serve_{name}.json"
+    subprocess.run([sys.executable, "-m", "server.bench.cli", "--base-url",
+                    f"http://127.0.0.1:{port}", "--disable-tqdm", "--percentiles", "50,99",
+                    "--result-file", str(result), *flags], cwd=ROOT, check=True)
+    return json.loads(result.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-workers", type=int, default=4)
+    parser.add_argument("--sweep-rates", default="10,40,160,640,inf")
+    parser.add_argument("--sweep-prompts", type=int, default=200, help="requests per rate")
+    parser.add_argument("--port", type=int, default=8321)
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = checkpoint_for(args.model)
+    preset = ROOT / "configs" / f"{args.model}.yaml"
+    info = device_info()
+    ours = offline(checkpoint, preset, args)
+    shape = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    server = start_server(checkpoint, preset, args.model, args.port,
+                          out / f"serve_{args.model}_server.log")
+    try:
+        runs = {
+            "burst": bench(args.port, out, f"{args.model}_burst", *shape, "--num-prompts",
+                           str(args.num_prompts), "--num-workers", str(args.num_workers),
+                           "--seed", "11"),
+            "rate20": bench(args.port, out, f"{args.model}_rate20", *shape, "--num-prompts",
+                            "200", "--request-rate", "20", "--seed", "12"),
+            "single": bench(args.port, out, f"{args.model}_single", *shape, "--num-prompts",
+                            "20", "--max-concurrency", "1", "--seed", "13"),
+            "sweep": bench(args.port, out, f"{args.model}_sweep", *shape, "--num-prompts",
+                           str(args.sweep_prompts), "--sweep-rates", args.sweep_rates,
+                           "--num-workers", str(args.num_workers), "--seed", "14",
+                           "--plot", str(out / f"serve_{args.model}_sweep.png")),
+        }
+    finally:
+        server.terminate()
+        server.wait(60)
+    burst = runs["burst"]["runs"][0]
+    result = {**info, "args": vars(args), "offline": ours, "served": runs,
+              "served_to_offline": burst["output_throughput"]
+              / ours["burst"]["output_tok_per_s"],
+              "single_itl_median_minus_offline_ms": runs["single"]["runs"][0]["median_itl_ms"]
+              - ours["single_stream_ms_per_token"]}
+    write_result(f"serve_{args.model}", result, out_dir=out)
+    print(f"{args.model}: served {burst['output_throughput']:.0f} out tok/s, offline "
+          f"{ours['burst']['output_tok_per_s']:.0f}: served_to_offline "
+          f"{result['served_to_offline']:.2f}; failed {burst['failed']}; client CPU "
+          f"{burst.get('client_cpu_percent')}")
+
+
+if __name__ == "__main__":
+    main()
