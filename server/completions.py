@@ -8,13 +8,13 @@ while its request is still queued and producing nothing, and its engine requests
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -24,13 +24,12 @@ from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionReq
                              CompletionResponse, Limits, RequestError, Usage, finite_logprob,
                              parse_completion_request, parse_prompt, to_sampling_params)
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
-def sse_event(payload: Any) -> str:
-    """One Server-Sent Event; pydantic writes NaN/inf as null, so the JSON stays valid."""
-    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else payload
-    return f"data: {data}\n\n"
+def sse_event(payload: Any) -> bytes:
+    """One Server-Sent Event holding `payload` as JSON (NaN/inf written as null)."""
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 class CompletionService:
@@ -136,7 +135,7 @@ class _Reply:
         choices = [self._whole_choice(i, choice) for i in sorted(self.finals)
                    for choice in self.finals[i].outputs]
         # pydantic's JSON writes any stray NaN/inf as null: the body is always valid JSON
-        return Response(self._response(choices, self.usage()).model_dump_json(),
+        return Response(msgspec.json.encode(self._response(choices, self.usage())),
                         media_type="application/json")
 
     async def stream(self, generation: Generation,
@@ -154,12 +153,13 @@ class _Reply:
         except ClientDisconnected:
             return
         except RequestFailed as exc:
-            yield sse_event(json.dumps(exc.error.body()))
+            yield sse_event(exc.error.body())
             yield SSE_DONE
         finally:
             _finish(generation, watcher)
 
-    def _response(self, choices: list[CompletionChoice], usage: Usage | None) -> Any:
+    def _response(self, choices: list[CompletionChoice],
+                  usage: Usage | None) -> CompletionResponse:
         return CompletionResponse(id=self.request_id, created=self.created,
                                   model=self.service.model_name, choices=choices, usage=usage)
 

@@ -1,13 +1,15 @@
 """Input validation and response helpers of the HTTP server, without a server or a model."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from server.metrics import ServerMetrics, one_two_five_buckets
-from server.protocol import (Limits, RequestError, finite_logprob,
-                             parse_completion_request, parse_prompt, to_sampling_params)
+from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionResponse, Limits,
+                             RequestError, finite_logprob, parse_completion_request,
+                             parse_prompt, to_sampling_params)
 from server.completions import sse_event
 
 LIMITS = Limits(vocab_size=50257, max_model_len=1024, max_n=16)
@@ -130,7 +132,16 @@ def test_finite_logprob():
 
 
 def test_sse_event_format():
-    assert sse_event('{"a": 1}') == 'data: {"a": 1}\n\n'
+    assert sse_event({"a": 1, "b": math.nan}) == b'data: {"a":1,"b":null}\n\n'
+    chunk = CompletionResponse(id="x", created=1, model="m", choices=[
+        CompletionChoice(index=0, text="hi", logprobs=CompletionLogprobs(
+            tokens=["hi"], token_logprobs=[-0.5], top_logprobs=[{"hi": -0.5}],
+            text_offset=[0]))])
+    assert json.loads(sse_event(chunk)[len(b"data: "):]) == {
+        "id": "x", "object": "text_completion", "created": 1, "model": "m", "usage": None,
+        "choices": [{"index": 0, "text": "hi", "finish_reason": None, "logprobs": {
+            "tokens": ["hi"], "token_logprobs": [-0.5], "top_logprobs": [{"hi": -0.5}],
+            "text_offset": [0]}}]}
 
 
 def test_one_two_five_buckets():
