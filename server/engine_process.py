@@ -111,7 +111,7 @@ class EngineProcess:
         if self._push.closed or not self._process.is_alive():
             return
         try:
-            self._push.send(self._encoder.encode(message), copy=False)
+            self._push.send(self._encoder.encode(message))
         except zmq.Again:
             logger.error("the engine core took no message for %d ms; dropped a %s",
                          SEND_TIMEOUT_MS, type(message).__name__)
@@ -135,7 +135,7 @@ class EngineProcess:
         behind the core, its streams then catch up several steps per chunk, rather than
         waking once per step."""
         while self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            deliver(self._decoder.decode(self._pull.recv(zmq.NOBLOCK, copy=False)))
+            deliver(self._decoder.decode(self._pull.recv(zmq.NOBLOCK)))
 
     def _on_exit(self, deliver: Callable[[FromCore], None]) -> None:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
@@ -182,10 +182,10 @@ def _core_main(config: EngineConfig, to_core: str, from_core: str, report: Conne
                 raise SystemExit("the server process is gone")
         messages = []
         while pull.poll(0):
-            messages.append(decoder.decode(pull.recv(copy=False)))
+            messages.append(decoder.decode(pull.recv()))
         return messages
 
-    run_core_loop(core, receive, lambda message: push.send(encoder.encode(message), copy=False))
+    run_core_loop(core, receive, lambda message: push.send(encoder.encode(message)))
     push.close(linger=1000)  # let the last StepOutput or CoreFailed go out
     pull.close(linger=0)
 
