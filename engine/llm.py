@@ -15,16 +15,13 @@ from typing import Sequence
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig, load_config
 from engine.core.engine_core import EngineCore
-from engine.core.messages import EngineStats
+from engine.core.messages import ENGINE_COUNTERS, EngineStats
 from engine.core.request import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.output.outputs import RequestOutput
 from engine.output.processor import OutputProcessor
 from engine.output.tokenizer import Tokenizer
 from engine.spec.stats import Counter, Vector
-
-# the engine's cumulative counts that vLLM exports as counters (server/metrics.py too)
-ENGINE_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
 
 Prompt = str | list[int]
 

@@ -52,6 +52,10 @@ class SpecCounts(msgspec.Struct, array_like=True, gc=False):
                    list(stats.num_accepted_tokens_per_pos))
 
 
+# EngineStats' cumulative counts that vLLM exports as counters (`vllm:` + name)
+ENGINE_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_running: int
     num_waiting: int
