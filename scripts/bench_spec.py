@@ -28,7 +28,7 @@ from engine import LLM, SamplingParams
 from engine.spec.ngram import NgramProposer
 from engine.spec.oracle import OracleProposer
 from engine.spec.switch import expected_tokens
-from engine.worker.spec_timing import _proposer_seconds
+from engine.worker.spec_timing import proposer_seconds
 
 VOCAB = 50257
 
@@ -204,7 +204,7 @@ def cost_ratios(bench: Bench) -> tuple[float, dict]:
         return 0.0, {}
     times = switch.times
     plain = times.at(times.plain, 1)
-    c = _proposer_seconds(cfg, k, bench.args.prompt_len) / k / plain
+    c = proposer_seconds(cfg, k, bench.args.prompt_len) / k / plain
     return c, {k: times.at(series, 1) / plain for k, series in times.speculative.items()}
 
 

@@ -204,3 +204,19 @@ def test_an_aborted_speculating_request_frees_everything(tiny_checkpoint, prompt
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert "a" not in engine.core.speculator.proposer._indexes  # its n-gram index is released
+
+
+def test_step_times_are_measured_for_each_batch_size_and_draft_length(tiny_checkpoint):
+    """The switch-off's cost model, measured as on a GPU at startup (there by the runner
+    itself): every batch size whose verification step fits the token budget, every k."""
+    from engine.worker.spec_timing import measure_step_times
+
+    llm = make_llm(tiny_checkpoint, speculative_config=NGRAM, max_num_seqs=6,
+                   max_num_batched_tokens=20)
+    config = llm.engine.config
+    assert llm.engine.runner.measure_spec_step_times() is None  # CPU: no switch-off
+    times = measure_step_times(llm.engine.runner, config.speculative, config.scheduler,
+                               repeats=1)
+    assert times.batch_sizes == (1, 2, 4)  # 4 rows of k + 1 = 5 tokens fill the budget
+    assert sorted(times.speculative) == [1, 2, 3, 4]
+    assert all(t > 0 for series in times.speculative.values() for t in series)

@@ -35,7 +35,7 @@ def measure_step_times(runner, spec: SpeculativeConfig, sched: SchedulerConfig,
                   for b in sizes)
     speculative = {}
     for k in range(1, k_max + 1):
-        propose = _proposer_seconds(spec, k, context)
+        propose = proposer_seconds(spec, k, context)
         speculative[k] = tuple(
             _seconds(runner, _step(b, k, context, runner.block_size), repeats) + b * propose
             for b in sizes)
@@ -60,7 +60,7 @@ def _seconds(runner, step: SchedulerOutput, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _proposer_seconds(spec: SpeculativeConfig, k: int, context: int,
+def proposer_seconds(spec: SpeculativeConfig, k: int, context: int,
                       requests: int = 64) -> float:
     """Host seconds of one n-gram proposal per request, its prompt already indexed."""
     proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
