@@ -204,3 +204,22 @@ def test_mixed_stager_pads_tokens_and_sequences():
     assert meta.seq_lens[:6].tolist() == host.seq_lens.tolist() + [0, 0]
     assert meta.sample_rows[:6].tolist() == host.sample_indices.tolist() + [0] * 3
     assert meta.block_tables[:s].tolist() == host.block_tables.tolist()
+
+
+def test_mixed_stager_writes_a_row_per_draft_position():
+    """A sequence with d drafts samples its last d + 1 token rows; the graph holds more
+    sampling rows than sequence rows (max_num_seqs (k + 1)), padded greedy."""
+    n, max_seqs, width, bs = 32, 3, 8, 16
+    tokens = filled_views(token_layout(n), np.int64)
+    meta = filled_views(mixed_meta_layout(max_seqs, width, max_seqs * 3), np.int32)
+    params = SamplingParams()
+    seqs = [ScheduledSequence("a", [5, 6, 7], 10, (3,), True, params, num_drafts=2),
+            ScheduledSequence("b", [8], 3, (1,), True, params),
+            ScheduledSequence("c", [1, 2], 0, (2,), False, params)]
+    host = prepare_host_inputs(seqs, bs, width)
+    assert host.sample_indices.tolist() == [0, 1, 2, 3]
+    seeds = np.array([7, 8, 9, 10])
+    MixedStager(tokens, meta).write(host, [-1] * 3, (np.full(4, 0.5), seeds), 16, 3, 9)
+    assert meta.sample_rows.tolist() == [0, 1, 2, 3] + [0] * 5
+    assert tokens.draw_seeds[:9].tolist() == [7, 8, 9, 10] + [0] * 5
+    assert tokens.draw_temperature[:9].tolist() == [0.5] * 4 + [0.0] * 5

@@ -1,0 +1,109 @@
+"""Speculative decoding in LLMEngine.step() under random arrivals, aborts, stop strings,
+chunking and preemption, with the prefix-dependent fake runner (no torch) taught to verify
+drafts as the real one does: an oracle proposer replays each request's reference output with
+corruptions, and every request must still end with a prefix of its reference, exactly once,
+leaking no block."""
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.core.batch import RunnerOutput, SchedulerOutput
+from engine.core.config import EngineConfig
+from engine.core.request import SamplingParams
+from engine.llm import LLMEngine
+from engine.output.tokenizer import Tokenizer
+from engine.spec.oracle import OracleProposer
+from test_engine_pipeline import CompletedStep, PipelinedFakeRunner
+from test_scheduler import VOCAB, next_token, reference_output
+
+K = 3
+
+
+class VerifyingFakeRunner(PipelinedFakeRunner):
+    """A sequence with d drafts samples at its last d + 1 positions (the fake model's token
+    after each prefix) and accepts its drafts while they equal those samples."""
+
+    def measure_spec_step_times(self):
+        return None
+
+    def launch(self, out: SchedulerOutput) -> CompletedStep:
+        result = super().launch(out).result
+        if not out.num_draft_tokens:
+            return CompletedStep(result)
+        sampled, accepted = [], []
+        for seq in (s for s in out.sequences if s.sample):
+            drafts = seq.token_ids[len(seq.token_ids) - seq.num_drafts:]
+            first = seq.seq_len - seq.num_drafts - 1  # position of the last known token
+            draws = [next_token(self._read(seq.block_ids, first + i))
+                     for i in range(seq.num_drafts + 1)]
+            n = next((i for i, d in enumerate(drafts) if d != draws[i]), len(drafts))
+            sampled.append(draws[n])
+            accepted.append(n)
+        result = RunnerOutput(result.request_ids, sampled, result.logprobs, accepted)
+        self.last = (out.step_id, sampled)
+        return CompletedStep(result)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), num_blocks=st.integers(12, 40),
+       budget=st.integers(K + 1, 24), rate=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+       async_scheduling=st.booleans())
+def test_speculating_engine_random_workloads(seed, num_blocks, budget, rate,
+                                             async_scheduling):
+    stats = run_workload(seed, num_blocks, budget, rate, async_scheduling)
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+    if rate == 0.0:
+        assert stats.num_accepted_tokens == 0
+
+
+def test_a_roomy_workload_accepts_drafts():
+    stats = run_workload(seed=1, num_blocks=40, budget=24, rate=1.0, async_scheduling=True)
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def run_workload(seed, num_blocks, budget, rate, async_scheduling):
+    """Requests arrive over 30 steps, some aborted; checks every output against its
+    reference; returns the speculation counters."""
+    rng = random.Random(seed)
+    config = EngineConfig.from_flat(block_size=4, num_kv_blocks=num_blocks, max_num_seqs=4,
+                                    max_num_batched_tokens=budget,
+                                    async_scheduling=async_scheduling,
+                                    speculative_config={"num_speculative_tokens": K})
+    engine = LLMEngine(config, runner=VerifyingFakeRunner(num_blocks, 4))
+    oracle = OracleProposer(rate, VOCAB, seed=seed)
+    engine.core.speculator.proposer = oracle
+    text_of = Tokenizer().decode
+    expected, aborted, finals = {}, set(), {}
+    for step in range(600):
+        if step < 30 and rng.random() < 0.4:
+            prompt = [rng.randrange(90) for _ in range(rng.randint(1, 10))]
+            stop = (rng.choice("ABCDEFGH"),) if rng.random() < 0.5 else ()
+            params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True, stop=stop)
+            reference = reference_output(prompt, params.max_tokens)
+            oracle.add(f"r{step}#0", reference)
+            engine.add_request(f"r{step}", prompt, params)
+            expected[f"r{step}"] = (reference, stop)
+        if engine.has_unfinished_requests() and rng.random() < 0.05:
+            rid = rng.choice(sorted(engine.processor._groups))
+            engine.abort(rid)
+            aborted.add(rid)
+        for out in engine.step():
+            assert out.request_id not in finals, "output after the request finished"
+            if out.finished:
+                finals[out.request_id] = out
+        engine.block_manager.check_invariants()
+        if step >= 30 and not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    assert set(finals) | aborted == set(expected)
+    for rid, out in finals.items():
+        tokens, stop = expected[rid]
+        full = text_of(tokens)
+        if stop and stop[0] in full:
+            assert out.finish_reason == "stop" and out.text == full[:full.index(stop[0])]
+            assert out.token_ids == tokens[:len(out.token_ids)]
+        else:
+            assert out.finish_reason == "length" and out.token_ids == tokens
+    assert engine.block_manager.num_free_blocks == num_blocks
+    return engine.core.speculator.stats
