@@ -10,12 +10,10 @@ from hypothesis import strategies as st
 
 from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
-from engine.core.request import SamplingParams
 from engine.llm import LLMEngine
-from engine.output.tokenizer import Tokenizer
 from engine.spec.oracle import OracleProposer
-from test_engine_pipeline import CompletedStep, PipelinedFakeRunner
-from test_scheduler import VOCAB, next_token, reference_output
+from test_engine_pipeline import CompletedStep, PipelinedFakeRunner, run_random_workload
+from test_scheduler import VOCAB, next_token
 
 K = 3
 
@@ -63,9 +61,7 @@ def test_a_roomy_workload_accepts_drafts():
 
 
 def run_workload(seed, num_blocks, budget, rate, async_scheduling):
-    """Requests arrive over 30 steps, some aborted; checks every output against its
-    reference; returns the speculation counters."""
-    rng = random.Random(seed)
+    """test_engine_pipeline's random workload, speculating; returns the counters."""
     config = EngineConfig.from_flat(block_size=4, num_kv_blocks=num_blocks, max_num_seqs=4,
                                     max_num_batched_tokens=budget,
                                     async_scheduling=async_scheduling,
@@ -73,37 +69,6 @@ def run_workload(seed, num_blocks, budget, rate, async_scheduling):
     engine = LLMEngine(config, runner=VerifyingFakeRunner(num_blocks, 4))
     oracle = OracleProposer(rate, VOCAB, seed=seed)
     engine.core.speculator.proposer = oracle
-    text_of = Tokenizer().decode
-    expected, aborted, finals = {}, set(), {}
-    for step in range(600):
-        if step < 30 and rng.random() < 0.4:
-            prompt = [rng.randrange(90) for _ in range(rng.randint(1, 10))]
-            stop = (rng.choice("ABCDEFGH"),) if rng.random() < 0.5 else ()
-            params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True, stop=stop)
-            reference = reference_output(prompt, params.max_tokens)
-            oracle.add(f"r{step}#0", reference)
-            engine.add_request(f"r{step}", prompt, params)
-            expected[f"r{step}"] = (reference, stop)
-        if engine.has_unfinished_requests() and rng.random() < 0.05:
-            rid = rng.choice(sorted(engine.processor._groups))
-            engine.abort(rid)
-            aborted.add(rid)
-        for out in engine.step():
-            assert out.request_id not in finals, "output after the request finished"
-            if out.finished:
-                finals[out.request_id] = out
-        engine.block_manager.check_invariants()
-        if step >= 30 and not engine.has_unfinished_requests():
-            break
-    assert not engine.has_unfinished_requests()
-    assert set(finals) | aborted == set(expected)
-    for rid, out in finals.items():
-        tokens, stop = expected[rid]
-        full = text_of(tokens)
-        if stop and stop[0] in full:
-            assert out.finish_reason == "stop" and out.text == full[:full.index(stop[0])]
-            assert out.token_ids == tokens[:len(out.token_ids)]
-        else:
-            assert out.finish_reason == "length" and out.token_ids == tokens
+    run_random_workload(engine, random.Random(seed), on_add=oracle.add)
     assert engine.block_manager.num_free_blocks == num_blocks
     return engine.core.speculator.stats
