@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.llm import LLMEngine
 from engine.spec.oracle import OracleProposer
 from test_engine_pipeline import CompletedStep, PipelinedFakeRunner, run_random_workload
@@ -72,3 +73,22 @@ def run_workload(seed, num_blocks, budget, rate, async_scheduling):
     run_random_workload(engine, random.Random(seed), on_add=oracle.add)
     assert engine.block_manager.num_free_blocks == num_blocks
     return engine.core.speculator.stats
+
+
+def test_a_request_that_may_speculate_keeps_pace_beside_one_running_ahead():
+    """Its proposer finds nothing, so its steps hold no drafts; still each is applied before
+    the next is scheduled, so it decodes every step, as the request with logprobs (which
+    never speculates, so may run ahead) does, instead of every other."""
+    config = EngineConfig.from_flat(block_size=4, num_kv_blocks=64, max_num_seqs=4,
+                                    async_scheduling=True,
+                                    speculative_config={"num_speculative_tokens": K})
+    engine = LLMEngine(config, runner=VerifyingFakeRunner(64, 4))
+    engine.core.speculator.proposer = OracleProposer(1.0, VOCAB)  # knows no request: no drafts
+    engine.add_request("may", [1, 2, 3], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.add_request("ahead", [4, 5, 6], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                          logprobs=1))
+    finished_at, step = {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        finished_at.update({o.request_id: step for o in engine.step() if o.finished})
+    assert abs(finished_at["may"] - finished_at["ahead"]) <= 1

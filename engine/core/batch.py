@@ -68,6 +68,9 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     step_id: int = 0  # tells Scheduler.update which schedule() these results answer
     num_draft_tokens: int = 0  # the sequences' num_drafts summed (0: a step without drafts)
+    # a request of this step may speculate next: apply this step before scheduling the next
+    # (how many tokens it gains decides where that request goes on)
+    apply_before_next: bool = False
 
     @property
     def num_tokens(self) -> int:

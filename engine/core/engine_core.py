@@ -10,13 +10,14 @@ Step N+1 is scheduled and launched before step N's tokens are waited for, so the
 overlaps the device's (see Scheduler for the placeholders this needs). With async_scheduling
 off, each step is waited for and applied before step() returns.
 
-A step with drafts (speculative decoding) is applied before the next is scheduled: where its
-requests go on depends on how many drafts it accepted. So with speculation the loop is
+A step that samples for a request that may speculate (speculative decoding on) is applied
+before the next is scheduled: where the request goes on depends on how many drafts it
+accepted, and it gets drafts only once its last token is known. So then the loop is
 
     step():  wait N ─▶ update N ─▶ schedule N+1 ─▶ launch N+1 ─▶ StepOutput of N
 
-and the device idles while the host updates, proposes and schedules (no run-ahead); steps
-without drafts (speculation switched off, or nothing to propose) keep the pipelined loop.
+and the device idles while the host updates, proposes and schedules (no run-ahead); with
+speculation switched off (or no request that may speculate) the loop stays pipelined.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class EngineCore:
 
     def step(self) -> StepOutput:
         outputs = []
-        if self._in_flight is not None and self._in_flight[0].num_draft_tokens:
+        if self._in_flight is not None and self._in_flight[0].apply_before_next:
             outputs = self._apply(*self._in_flight)  # the next step starts where it ended
             self._in_flight = None
         scheduled = self.scheduler.schedule()

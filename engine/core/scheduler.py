@@ -35,7 +35,8 @@ drafts, scheduled as extra tokens after its last one, and the runner samples at 
 
 How many drafts a step accepts is known only after it, so a request that may speculate
 never runs ahead (it waits for its pending token instead), and EngineCore applies a step
-with drafts before scheduling the next.
+that samples for such a request (`apply_before_next`) before scheduling the next; otherwise
+the request would sit out every other step.
 """
 from __future__ import annotations
 
@@ -155,6 +156,7 @@ class Scheduler:
             self._admit_waiting(budget)
         now = self.clock()
         sequences, requests, sample_rows, num_drafts = [], {}, {}, 0
+        speculator, apply_first = self.speculator, False
         for request, num_new, drafts in self._scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
@@ -164,6 +166,7 @@ class Scheduler:
             request.num_pending_samples += seq.sample
             if seq.sample:
                 sample_rows[request.request_id] = len(sample_rows)
+                apply_first |= bool(speculator and speculator.may_speculate(request))
             sequences.append(seq)
             requests[request.request_id] = request
         self._sample_rows = sample_rows
@@ -171,7 +174,8 @@ class Scheduler:
         if sequences:
             self._step_requests[self._step_id] = requests
         return SchedulerOutput(sequences=sequences, preempted_ids=preempted,
-                               step_id=self._step_id, num_draft_tokens=num_drafts)
+                               step_id=self._step_id, num_draft_tokens=num_drafts,
+                               apply_before_next=apply_first)
 
     def _may_run_ahead(self, request: Request) -> bool:
         """With its next token still pending, a request runs ahead only if that token cannot
