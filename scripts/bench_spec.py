@@ -9,7 +9,9 @@ own greedy output with each draft corrupted with probability 1 - a:
     E / (k c + 1), E = (1 - a^(k+1)) / (1 - a), c the proposer's cost per draft over one
     decode step, and the refined E / (k c + V/T) with V/T the measured verification cost;
   * batch sizes at a = 0.7, k = 4: throughput with the switch-off on and off;
-  * the real n-gram proposer on prompts that restate a passage: acceptance and speedup.
+  * the real n-gram proposer on prompts that restate a passage: acceptance and speedup;
+  * one plain stream with and without scheduling ahead: what a speculating step gives up by
+    being applied before the next is scheduled.
 Speculation off is the same engine with its draft length set to 0. Writes spec.json and, where
 matplotlib is installed, spec_rates.png and spec_batches.png under --out.
 """
@@ -20,6 +22,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench_utils import checkpoint_for, device_info, write_result
@@ -190,6 +193,24 @@ def ngram_workload(bench: Bench, rng: random.Random) -> dict:
             "speedup_mean": sum(speedups) / len(speedups), **acceptance(before, after)}
 
 
+def pipelining(bench: Bench, prompt: list[int]) -> dict:
+    """One plain stream with and without scheduling one step ahead: what a speculating step,
+    applied before the next is scheduled, gives up (its host work is not overlapped)."""
+    core, result = bench.engine.core, {}
+    bench.configure(0)
+    pipelined = core.config
+    for mode in (True, False):
+        while core.has_unfinished():  # a step still in flight belongs to the old mode
+            core.step()
+        core.config = replace(pipelined, scheduler=replace(pipelined.scheduler,
+                                                           async_scheduling=mode))
+        outputs, _ = bench.run([prompt])
+        result["async_ms_per_token" if mode else "sync_ms_per_token"] = (
+            decode_seconds_per_token(outputs[0]) * 1e3)
+    core.config = pipelined
+    return result
+
+
 def random_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB - 1) for _ in range(n)]
 
@@ -261,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {**device_info(), "args": vars(args), "c": c, "verify_over_decode": verify_ratio,
               "single_stream": single_stream(bench, random_tokens(rng, args.prompt_len), c,
                                              verify_ratio),
-              "batches": batches(bench, rng), "ngram": ngram_workload(bench, rng)}
+              "batches": batches(bench, rng), "ngram": ngram_workload(bench, rng),
+              "pipelining": pipelining(bench, random_tokens(rng, args.prompt_len))}
     write_result("spec", result, out_dir=out)
     replot(result, out)
 

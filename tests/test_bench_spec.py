@@ -18,3 +18,4 @@ def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
     assert [r["batch"] for r in result["batches"]] == [1, 2]
     assert all(r["speedup_switch_off"] > 0 for r in result["batches"])
     assert result["ngram"]["k"] == 2 and result["ngram"]["speedup_mean"] > 0
+    assert set(result["pipelining"]) == {"async_ms_per_token", "sync_ms_per_token"}
