@@ -30,7 +30,8 @@ def measure_step_times(runner, spec: SpeculativeConfig, sched: SchedulerConfig,
     k_max = spec.num_speculative_tokens
     sizes = sorted({b for b in BATCH_SIZES + (sched.max_num_seqs,)
                     if b <= sched.max_num_seqs and b * (k_max + 1) <= sched.max_num_batched_tokens})
-    context = min(CONTEXT, sched.max_model_len, runner.num_kv_blocks * runner.block_size) - k_max - 1
+    room = min(sched.max_model_len, runner.num_kv_blocks * runner.block_size)
+    context = min(CONTEXT, room) - k_max - 1
     plain = tuple(_seconds(runner, _step(b, 0, context, runner.block_size), repeats)
                   for b in sizes)
     speculative = {}

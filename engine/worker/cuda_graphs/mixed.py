@@ -90,8 +90,9 @@ class MixedGraphs(GraphSet):
 class MixedStager:
     """Writes a step with prompt tokens (HostInputs) into the named views of one pinned mirror
     (`tokens`: token_layout; `meta`: mixed_meta_layout), padded to `size` tokens, `rows`
-    sequences and `sample_rows` sampling rows (`rows` unless given). Padding tokens: token 0, position 0, slot -1, their own token; padding
-    sequences: query start at the real token count, seq_len 0, sample row 0, greedy draw."""
+    sequences and `sample_rows` sampling rows (`rows` unless given). Padding tokens: token 0,
+    position 0, slot -1, their own token; padding sequences: query start at the real token
+    count, seq_len 0; padding sampling rows: row 0, greedy draw."""
 
     def __init__(self, tokens: SimpleNamespace, meta: SimpleNamespace):
         self.tokens, self.meta = tokens, meta
