@@ -69,7 +69,7 @@ class ServerMetrics:
                                        ["model_name", "finished_reason"], registry=self.registry)
         self.engine_counters = {name: self._counter(name, name.replace("_", " "))
                                 for name in ENGINE_COUNTERS}
-        self.spec = SpecMetrics(self.registry, model_name)
+        self.spec: SpecMetrics | None = None  # registered once the engine reports speculating
 
     def _histogram(self, name: str, doc: str, buckets: list[Any]) -> Any:
         return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
@@ -122,6 +122,8 @@ class ServerMetrics:
             self.engine_counters[name].inc(max(0, total - self._engine_totals[name]))
             self._engine_totals[name] = total
         if stats.spec is not None:
+            if self.spec is None:
+                self.spec = SpecMetrics(self.registry, self.model_name)
             self.spec.observe(stats.spec)
 
     def render(self) -> bytes:
@@ -130,7 +132,7 @@ class ServerMetrics:
 
 class SpecMetrics:
     """vLLM's speculative decoding counters (engine/spec/stats.py), from the engine's
-    cumulative counts; they appear in /metrics once the engine reports any (it speculates)."""
+    cumulative counts."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self.model_name = model_name
@@ -152,12 +154,12 @@ class SpecMetrics:
             self.per_pos.labels(self.model_name, str(position)).inc(max(0, new))
         self.totals = counts
 
-    def summary(self) -> str:
-        """Acceptance rate and mean accepted length (tokens a speculating row gains a step)."""
-        t = self.totals
-        rate = t.num_accepted_tokens / max(t.num_draft_tokens, 1)
-        length = 1 + t.num_accepted_tokens / max(t.num_drafts, 1)
-        return f"spec acceptance rate {rate:.1%}, mean accepted length {length:.2f}"
+
+def spec_summary(counts: SpecCounts) -> str:
+    """Acceptance rate and mean accepted length (tokens a speculating row gains a step)."""
+    rate = counts.num_accepted_tokens / max(counts.num_draft_tokens, 1)
+    length = 1 + counts.num_accepted_tokens / max(counts.num_drafts, 1)
+    return f"spec acceptance rate {rate:.1%}, mean accepted length {length:.2f}"
 
 
 class ThroughputLog:
@@ -181,4 +183,4 @@ class ThroughputLog:
                 f"(server queue {server_waiting}), KV cache {stats.kv_cache_usage:.1%}, "
                 f"prefix hit rate {hit_rate:.1%}, preemptions {stats.num_preemptions}, "
                 f"step age {step_age:.1f} s"
-                + ("" if stats.spec is None else ", " + self.metrics.spec.summary()))
+                + ("" if stats.spec is None else ", " + spec_summary(stats.spec)))
