@@ -15,12 +15,13 @@ from typing import Sequence
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig, load_config
 from engine.core.engine_core import EngineCore
-from engine.core.messages import EngineStats
+from engine.core.messages import ENGINE_COUNTERS, EngineStats
 from engine.core.request import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.output.outputs import RequestOutput
 from engine.output.processor import OutputProcessor
 from engine.output.tokenizer import Tokenizer
+from engine.spec.stats import Counter, Vector
 
 Prompt = str | list[int]
 
@@ -117,6 +118,14 @@ class LLM:
                         done[output.request_id] = output
                         bar.update(1)
         return [done[i] for i in ids]
+
+    def get_metrics(self) -> list[Counter | Vector]:
+        """vLLM's offline accessor: the engine's cumulative counters under vLLM's names,
+        with the speculative decoding ones when the engine speculates."""
+        stats = self.engine.stats()
+        counters = [Counter(f"vllm:{name}", getattr(stats, name)) for name in ENGINE_COUNTERS]
+        speculator = self.engine.core.speculator
+        return counters + ([] if speculator is None else speculator.stats.metrics())
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

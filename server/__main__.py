@@ -1,7 +1,9 @@
 """`gpt2-serve` / `python -m server`: build the engine, then serve it with uvicorn.
 
 Every engine setting is a flag named after its config field (`--block-size`, `--max-num-seqs`,
-`--enable-prefix-caching/--no-enable-prefix-caching`, ...), applied on top of `--config`.
+`--enable-prefix-caching/--no-enable-prefix-caching`, ...), applied on top of `--config`;
+speculative decoding takes vLLM's JSON: `--speculative-config '{"method": "ngram",
+"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'`.
 SIGTERM stops accepting connections, lets in-flight requests finish for up to
 `--shutdown-timeout` seconds, then exits.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import socket
 import sys
@@ -20,8 +23,9 @@ from typing import Any
 
 import uvicorn
 
-from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig, EngineConfig,
-                                ModelConfig, SchedulerConfig, flat_field_names, load_config)
+from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig, ConfigError,
+                                EngineConfig, ModelConfig, SchedulerConfig, flat_field_names,
+                                load_config)
 from server.app import ServerSettings, create_app, version
 from server.engine_process import EngineProcess
 
@@ -103,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between throughput log lines (0: off)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                         help="debug also prints the traceback of a startup failure")
+    parser.add_argument("--speculative-config", metavar="JSON",
+                        help="speculative decoding, as vLLM's JSON dict, e.g. "
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(overrides the preset's `speculative` section)")
     _add_engine_flags(parser)
     return parser
 
@@ -117,12 +125,23 @@ def preset_for(model: str | None) -> Path | None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     overrides = {name: getattr(args, name) for name in flat_field_names()}
+    overrides["speculative_config"] = _speculative_json(args.speculative_config)
     path = args.config or preset_for(args.model or ModelConfig.model)
     if path is not None and not Path(path).is_file():
         raise FileNotFoundError(f"--config {path}: no such file")
     if path is not None and not args.config:
         logger.info("config: %s (picked from the model name; --config overrides)", path)
     return load_config(path, **overrides)
+
+
+def _speculative_json(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"invalid config: --speculative-config is not JSON ({exc}): "
+                          f"{text!r}") from None
 
 
 def exit_on_startup_error(exc: Exception, log_level: str) -> None:
@@ -144,6 +163,8 @@ def _log_startup(core: EngineProcess, config: EngineConfig, args: argparse.Names
                 cache.block_size, "on" if cache.enable_prefix_caching else "off")
     logger.info("scheduler: max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d",
                 sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens)
+    if config.speculative is not None:
+        logger.info("speculative decoding: %s", config.speculative)
     logger.info("server: max_queued_requests=%d max_n=%d shutdown_timeout=%.0fs api_key=%s",
                 args.max_queued_requests, args.max_n, args.shutdown_timeout,
                 "set" if args.api_key else "off")

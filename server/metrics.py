@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.core.messages import ENGINE_COUNTERS, SpecCounts
 from engine.output.outputs import RequestMetrics, RequestOutput
 
 PREFIX = "vllm:"
@@ -25,7 +26,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
-ENGINE_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def one_two_five_buckets(maximum: int) -> list[int]:
@@ -68,6 +69,7 @@ class ServerMetrics:
                                        ["model_name", "finished_reason"], registry=self.registry)
         self.engine_counters = {name: self._counter(name, name.replace("_", " "))
                                 for name in ENGINE_COUNTERS}
+        self.spec: SpecMetrics | None = None  # registered once the engine reports speculating
 
     def _histogram(self, name: str, doc: str, buckets: list[Any]) -> Any:
         return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
@@ -119,9 +121,45 @@ class ServerMetrics:
             total = getattr(stats, name)
             self.engine_counters[name].inc(max(0, total - self._engine_totals[name]))
             self._engine_totals[name] = total
+        if stats.spec is not None:
+            if self.spec is None:
+                self.spec = SpecMetrics(self.registry, self.model_name)
+            self.spec.observe(stats.spec)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SpecMetrics:
+    """vLLM's speculative decoding counters (engine/spec/stats.py), from the engine's
+    cumulative counts."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        self.counters = {name: Counter(f"{PREFIX}spec_decode_{name}", name.replace("_", " "),
+                                       ["model_name"], registry=registry)
+                         for name in SPEC_COUNTERS}
+        self.per_pos = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+                               "Steps whose draft at this position was accepted",
+                               ["model_name", "position"], registry=registry)
+        self.totals = SpecCounts(0, 0, 0, [])
+
+    def observe(self, counts: SpecCounts) -> None:
+        for name in SPEC_COUNTERS:
+            new = getattr(counts, name) - getattr(self.totals, name)
+            self.counters[name].labels(self.model_name).inc(max(0, new))
+        before = self.totals.num_accepted_tokens_per_pos
+        for position, total in enumerate(counts.num_accepted_tokens_per_pos):
+            new = total - (before[position] if position < len(before) else 0)
+            self.per_pos.labels(self.model_name, str(position)).inc(max(0, new))
+        self.totals = counts
+
+
+def spec_summary(counts: SpecCounts) -> str:
+    """Acceptance rate and mean accepted length (tokens a speculating row gains a step)."""
+    rate = counts.num_accepted_tokens / max(counts.num_draft_tokens, 1)
+    length = 1 + counts.num_accepted_tokens / max(counts.num_drafts, 1)
+    return f"spec acceptance rate {rate:.1%}, mean accepted length {length:.2f}"
 
 
 class ThroughputLog:
@@ -144,4 +182,5 @@ class ThroughputLog:
                 f"running {stats.num_running}, waiting {stats.num_waiting} "
                 f"(server queue {server_waiting}), KV cache {stats.kv_cache_usage:.1%}, "
                 f"prefix hit rate {hit_rate:.1%}, preemptions {stats.num_preemptions}, "
-                f"step age {step_age:.1f} s")
+                f"step age {step_age:.1f} s"
+                + ("" if stats.spec is None else ", " + spec_summary(stats.spec)))

@@ -29,6 +29,15 @@ STARTUP_FAILURES = [
     (["--model", "gpt2-xxl"], "gpt2-serve: error: model 'gpt2-xxl' is not a local directory "
                               "and could not be fetched from the HF hub"),
     (["--max-model-len", "5000"], "gpt2-serve: error: invalid config: max_model_len=5000"),
+    (["--speculative-config", "{k: 4}"], "gpt2-serve: error: invalid config: "
+                                         "--speculative-config is not JSON"),
+    (["--speculative-config", '{"num_speculative_tokens": 0}'],
+     "gpt2-serve: error: invalid config: speculative_config.num_speculative_tokens=0"),
+    (["--speculative-config", '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+                              '"prompt_lookup_max": 2}'],
+     "gpt2-serve: error: invalid config: speculative_config.prompt_lookup_min=3"),
+    (["--speculative-config", '{"model": "gpt2", "num_speculative_tokens": 2}'],
+     "gpt2-serve: error: invalid config: speculative_config.method='draft_model'"),
 ]
 if not torch.cuda.is_available():
     STARTUP_FAILURES.append((["--device", "cuda"], "gpt2-serve: error: device='cuda' was "

@@ -12,6 +12,7 @@ from engine.worker.cuda_graphs import (DecodeGraphs, DecodeStager, MixedGraphs, 
                                        capture_sizes, decode_meta_layout, mixed_capture_sizes,
                                        mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
+from engine.spec.oracle import OracleProposer
 from engine.worker.inputs import prepare_host_inputs
 
 
@@ -204,3 +205,59 @@ def test_mixed_stager_pads_tokens_and_sequences():
     assert meta.seq_lens[:6].tolist() == host.seq_lens.tolist() + [0, 0]
     assert meta.sample_rows[:6].tolist() == host.sample_indices.tolist() + [0] * 3
     assert meta.block_tables[:s].tolist() == host.block_tables.tolist()
+
+
+def test_mixed_stager_writes_a_row_per_draft_position():
+    """A sequence with d drafts samples its last d + 1 token rows; the graph holds more
+    sampling rows than sequence rows (max_num_seqs (k + 1)), padded greedy."""
+    n, max_seqs, width, bs = 32, 3, 8, 16
+    tokens = filled_views(token_layout(n), np.int64)
+    meta = filled_views(mixed_meta_layout(max_seqs, width, max_seqs * 3), np.int32)
+    params = SamplingParams()
+    seqs = [ScheduledSequence("a", [5, 6, 7], 10, (3,), True, params, num_drafts=2),
+            ScheduledSequence("b", [8], 3, (1,), True, params),
+            ScheduledSequence("c", [1, 2], 0, (2,), False, params)]
+    host = prepare_host_inputs(seqs, bs, width)
+    assert host.sample_indices.tolist() == [0, 1, 2, 3]
+    seeds = np.array([7, 8, 9, 10])
+    MixedStager(tokens, meta).write(host, [-1] * 3, (np.full(4, 0.5), seeds), 16, 3, 9)
+    assert meta.sample_rows.tolist() == [0, 1, 2, 3] + [0] * 5
+    assert tokens.draw_seeds[:9].tolist() == [7, 8, 9, 10] + [0] * 5
+    assert tokens.draw_temperature[:9].tolist() == [0.5] * 4 + [0.0] * 5
+
+
+# seeded rows: their tokens do not depend on how many rows a step draws
+SEEDED = [SamplingParams(temperature=1.3, seed=11, max_tokens=8, ignore_eos=True),
+          SamplingParams(temperature=0.9, top_k=5, seed=4, max_tokens=8, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
+        tiny_checkpoint, monkeypatch, params):
+    """Verification steps (k + 1 tokens a decoding row, a sampling row per draft position)
+    replay the mixed-step graph of their padded token count, replaced by eager replays as
+    above: the tokens are those of plain eager decoding. The oracle proposer replays them,
+    each draft corrupted with probability 0.3."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 30))] for _ in range(4)]
+    params = [params[i % len(params)] for i in range(len(prompts))]
+    results = []
+    for speculative in (None, {"num_speculative_tokens": 3, "prompt_lookup_max": 2}):
+        llm = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_num_seqs=4,
+                  max_num_batched_tokens=24, num_kv_blocks=128, block_size=8,
+                  attention_backend="torch", speculative_config=speculative)
+        runner = llm.engine.runner
+        if speculative:
+            mixed = MixedGraphs(runner.model, runner.kv_caches, 24, 4,
+                                runner.max_blocks_per_seq, 1024, torch.device("cpu"),
+                                runner.max_sample_rows)
+            replay_eagerly(mixed, mixed.sample_rows)
+            runner.mixed_graphs = mixed
+            oracle = llm.engine.core.speculator.proposer = OracleProposer(0.7, 50257)
+            for i, reference in enumerate(results[0]):
+                oracle.add(f"{i}#0", reference)  # the LLM's own request ids
+        results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert results[0] == results[1]
+    assert llm.engine.core.speculator.stats.num_accepted_tokens > 0
+    assert mixed._steps_staged >= 5  # the verification steps went through the staging

@@ -59,11 +59,19 @@ class PipelinedFakeRunner(FakeRunner):
        budget=st.integers(1, 24), final_only=st.booleans(), async_scheduling=st.booleans())
 def test_pipelined_engine_random_workloads(seed, num_blocks, budget, final_only,
                                            async_scheduling):
-    rng = random.Random(seed)
     config = EngineConfig.from_flat(block_size=4, num_kv_blocks=num_blocks, max_num_seqs=4,
                                     max_num_batched_tokens=budget,
                                     async_scheduling=async_scheduling)
     engine = LLMEngine(config, runner=PipelinedFakeRunner(num_blocks, 4))
+    run_random_workload(engine, random.Random(seed), "final_only" if final_only else "stream")
+    assert engine.block_manager.num_free_blocks == num_blocks
+
+
+def run_random_workload(engine: LLMEngine, rng: random.Random, output_kind: str = "stream",
+                        on_add=lambda seq_id, reference: None) -> None:
+    """Requests arrive over 30 steps (on_add sees each one's sequence id and reference
+    output), some are aborted, the engine runs dry; every request ends exactly once with a
+    prefix of its reference, cut by its stop string or max_tokens."""
     text_of = Tokenizer().decode
     expected, aborted, finals = {}, set(), {}
     for step in range(600):
@@ -71,9 +79,10 @@ def test_pipelined_engine_random_workloads(seed, num_blocks, budget, final_only,
             prompt = [rng.randrange(90) for _ in range(rng.randint(1, 10))]
             stop = (rng.choice("ABCDEFGH"),) if rng.random() < 0.5 else ()
             params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True, stop=stop,
-                                    output_kind="final_only" if final_only else "stream")
-            engine.add_request(f"r{step}", prompt, params)
+                                    output_kind=output_kind)
             expected[f"r{step}"] = (reference_output(prompt, params.max_tokens), stop)
+            on_add(f"r{step}#0", expected[f"r{step}"][0])
+            engine.add_request(f"r{step}", prompt, params)
         if engine.has_unfinished_requests() and rng.random() < 0.05:
             rid = rng.choice(sorted(engine.processor._groups))
             engine.abort(rid)
@@ -95,7 +104,6 @@ def test_pipelined_engine_random_workloads(seed, num_blocks, budget, final_only,
             assert out.finish_reason == "stop" and out.text == full[:full.index(stop[0])]
         else:
             assert out.finish_reason == "length" and out.token_ids == tokens
-    assert engine.block_manager.num_free_blocks == num_blocks
 
 
 def test_request_id_reused_after_abort_gets_only_its_own_tokens():

@@ -14,12 +14,16 @@ def context(tokens, num_prompt=None, max_drafts=4, request_id="r"):
 
 
 def brute_force_lookup(tokens, min_n, max_n, max_drafts):
-    """Scan backwards from the end for the most recent earlier match, longest n first."""
+    """Scan backwards from the end for the most recent earlier match, longest n first; copy
+    what followed it token by token, past the end through the copy itself."""
     for n in range(max_n, min_n - 1, -1):
         suffix = tokens[len(tokens) - n:]
         for end in range(len(tokens) - 2, n - 2, -1):
             if n <= len(tokens) - 1 and tokens[end - n + 1:end + 1] == suffix:
-                return tokens[end + 1:end + 1 + max_drafts]
+                copied = list(tokens)
+                for i in range(max_drafts):
+                    copied.append(copied[end + 1 + i])
+                return copied[len(tokens):]
     return []
 
 
@@ -35,6 +39,11 @@ def test_ngram_prefers_the_longest_n_then_the_latest_match():
     tokens = [8, 1, 2, 3, 9, 1, 2, 7, 8, 1, 2]
     assert NgramProposer(2, 3).propose(context(tokens)) == [3, 9, 1, 2]
     assert NgramProposer(2, 2).propose(context(tokens)) == [7, 8, 1, 2]
+
+
+def test_ngram_copies_a_loop_past_the_end():
+    assert NgramProposer(1, 1).propose(context([4, 7, 7, 7])) == [7, 7, 7, 7]
+    assert NgramProposer(2, 2).propose(context([7, 8, 9, 7, 8])) == [9, 7, 8, 9]
 
 
 def test_ngram_without_a_match_or_room_proposes_nothing():
@@ -65,11 +74,11 @@ def test_ngram_incremental_index_matches_brute_force(tokens, bounds, max_drafts,
 
 def test_ngram_release_and_reused_ids_start_fresh():
     proposer = NgramProposer(1, 2)
-    assert proposer.propose(context([1, 2, 1, 2, 1])) == [2, 1]
-    assert proposer.propose(context([3, 4, 3])) == [4, 3]  # shorter: another request
+    assert proposer.propose(context([1, 2, 1, 2, 1])) == [2, 1, 2, 1]
+    assert proposer.propose(context([3, 4, 3])) == [4, 3, 4, 3]  # shorter: another request
     proposer.release("r")
     # a longer request under the released id: its tokens are read from the start
-    assert proposer.propose(context([5, 6, 5, 6, 5])) == [6, 5]
+    assert proposer.propose(context([5, 6, 5, 6, 5])) == [6, 5, 6, 5]
 
 
 def test_ngram_rejects_bad_bounds():

@@ -42,7 +42,7 @@ def recorded(tiny_checkpoint) -> tuple[RecordingRunner, EngineConfig]:
               max_num_batched_tokens=16, num_kv_blocks=64, block_size=8,
               attention_backend="torch", async_scheduling=True)
     recorder = RecordingRunner(llm.engine.runner)
-    llm.engine.runner = recorder
+    llm.engine.core.runner = recorder
     llm.generate(prompts, [PARAMS[i % len(PARAMS)] for i in range(len(prompts))],
                  use_tqdm=False)
     return recorder, llm.engine.config

@@ -35,6 +35,9 @@ class ScheduledSequence:
     # >= 0: token_ids is [PLACEHOLDER_TOKEN], the token in this row of the previous step's
     # sampled output (see SchedulerOutput); -1: every new token is known
     prev_sample_row: int = -1
+    # the last num_drafts of token_ids are a proposer's guesses: the runner samples at each
+    # of them and at the token before them, and reports how many the target accepted
+    num_drafts: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -64,6 +67,10 @@ class SchedulerOutput:
     sequences: list[ScheduledSequence] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     step_id: int = 0  # tells Scheduler.update which schedule() these results answer
+    num_draft_tokens: int = 0  # the sequences' num_drafts summed (0: a step without drafts)
+    # a request of this step may speculate next: apply this step before scheduling the next
+    # (how many tokens it gains decides where that request goes on)
+    apply_before_next: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +91,10 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """One entry per ScheduledSequence with sample=True, in the same order."""
+    """One entry per ScheduledSequence with sample=True, in the same order. A sequence with
+    drafts gains its first num_accepted drafts and then its sampled token (the correction of
+    the first rejected draft, or the bonus token after all of them)."""
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    num_accepted: list[int] = field(default_factory=list)  # empty: the step had no drafts

@@ -9,6 +9,15 @@ a process of its own (the server, server/engine_process.py).
 Step N+1 is scheduled and launched before step N's tokens are waited for, so the host's work
 overlaps the device's (see Scheduler for the placeholders this needs). With async_scheduling
 off, each step is waited for and applied before step() returns.
+
+A step that samples for a request that may speculate (speculative decoding on) is applied
+before the next is scheduled: where the request goes on depends on how many drafts it
+accepted, and it gets drafts only once its last token is known. So then the loop is
+
+    step():  wait N ─▶ update N ─▶ schedule N+1 ─▶ launch N+1 ─▶ StepOutput of N
+
+and the device idles while the host updates, proposes and schedules (no run-ahead); with
+speculation switched off (or no request that may speculate) the loop stays pipelined.
 """
 from __future__ import annotations
 
@@ -19,9 +28,10 @@ from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
                                   EngineStats, FromCore, SequenceFailed, SequenceOutput,
-                                  Shutdown, StepOutput, ToCore)
+                                  Shutdown, SpecCounts, StepOutput, ToCore)
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.spec.speculator import Speculator, build_speculator
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +48,9 @@ class EngineCore:
         self.runner = runner
         self.block_manager = BlockManager(runner.num_kv_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.speculator: Speculator | None = build_speculator(config, runner)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   speculator=self.speculator)
         self._in_flight = None  # (SchedulerOutput, pending result) of the launched step
         self._num_sent: dict[str, int] = {}  # seq id -> output tokens already reported
 
@@ -58,20 +70,26 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> StepOutput:
+        outputs = []
+        if self._in_flight is not None and self._in_flight[0].apply_before_next:
+            outputs = self._apply(*self._in_flight)  # the next step starts where it ended
+            self._in_flight = None
         scheduled = self.scheduler.schedule()
         launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled))
         to_finish = launched
         if self.config.scheduler.async_scheduling:
             to_finish, self._in_flight = self._in_flight, launched
-        if to_finish is None:
-            return StepOutput([], self.stats())
-        scheduled, pending = to_finish
+        if to_finish is not None:  # never a step applied above: that left nothing in flight
+            outputs = self._apply(*to_finish)
+        return StepOutput(outputs, self.stats())
+
+    def _apply(self, scheduled, pending) -> list[SequenceOutput]:
+        """Wait for a launched step, update the scheduler, and report what changed."""
         result = pending.wait()
         changed = self.scheduler.update(scheduled, result)
         logprobs = dict(zip(result.request_ids, result.logprobs)) if any(result.logprobs) else {}
-        outputs = [out for request in changed
-                   if (out := self._output_of(request, logprobs.get(request.request_id)))]
-        return StepOutput(outputs, self.stats())
+        return [out for request in changed
+                if (out := self._output_of(request, logprobs.get(request.request_id)))]
 
     def _output_of(self, request: Request, token_logprobs) -> SequenceOutput | None:
         """The tokens the frontend has not seen yet. A final_only sequence with nothing to
@@ -98,9 +116,11 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         bm, scheduler = self.block_manager, self.scheduler
+        spec = None if self.speculator is None else self.speculator.stats
         return EngineStats(len(scheduler.running), len(scheduler.waiting), bm.usage,
                            bm.prefix_queries, bm.prefix_hits, scheduler.num_preemptions,
-                           bm.num_free_blocks, bm.num_blocks)
+                           bm.num_free_blocks, bm.num_blocks,
+                           None if spec is None else SpecCounts.of(spec))
 
 
 def run_core_loop(core: EngineCore, receive: Callable[[bool], list[ToCore]],

@@ -13,6 +13,7 @@ import msgspec
 
 from engine.core.batch import TokenLogprobs
 from engine.core.request import SamplingParams
+from engine.spec.stats import SpecDecodingStats
 
 
 class CoreRequest(msgspec.Struct, array_like=True, gc=False):
@@ -38,6 +39,23 @@ class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int
 
 
+class SpecCounts(msgspec.Struct, array_like=True, gc=False):
+    """Speculative decoding's cumulative counters (engine/spec/stats.py has their meaning)."""
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: list[int]
+
+    @classmethod
+    def of(cls, stats: SpecDecodingStats) -> SpecCounts:
+        return cls(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                   list(stats.num_accepted_tokens_per_pos))
+
+
+# EngineStats' cumulative counts that vLLM exports as counters (`vllm:` + name)
+ENGINE_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_running: int
     num_waiting: int
@@ -47,6 +65,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int
     num_free_blocks: int
     num_total_blocks: int
+    spec: SpecCounts | None = None  # None: the engine does not speculate
 
 
 class StepOutput(msgspec.Struct, array_like=True, gc=False, tag=True):

@@ -25,6 +25,18 @@ PLACEHOLDER_TOKEN in step N+1, with the row of step N's sampled output it comes 
 A request runs ahead only when the pending token cannot end it by length and no penalty
 needs its output so far; if that token ends it (EOS, stop), step N+1's work for it is
 dropped by update (it was one token's compute, in blocks the request still owned).
+
+Speculative decoding (a `Speculator`): a decoding request whose tokens are all known gets
+drafts, scheduled as extra tokens after its last one, and the runner samples at each:
+
+    request: 20 tokens, 19 computed, drafts d1..d4   token_ids [t19, d1, d2, d3, d4]
+    runner: 2 accepted, then x                        appended: d1, d2, x  (22 tokens)
+    update: 19 + 1 + 2 computed; the blocks past the computed tokens are released (shrink)
+
+How many drafts a step accepts is known only after it, so a request that may speculate
+never runs ahead (it waits for its pending token instead), and EngineCore applies a step
+that samples for such a request (`apply_before_next`) before scheduling the next; otherwise
+the request would sit out every other step.
 """
 from __future__ import annotations
 
@@ -36,6 +48,7 @@ from engine.core.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
 from engine.core.request import Request, RequestStatus
+from engine.spec.speculator import Speculator
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
@@ -87,7 +100,7 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock=time.monotonic):
+                 clock=time.monotonic, speculator: Speculator | None = None):
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
@@ -95,8 +108,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        # (request, new tokens) of the schedule() under way, in running order
-        self._scheduled: list[tuple[Request, int]] = []
+        self.speculator = speculator
+        # (request, new tokens, its drafts among them) of the schedule() under way, in order
+        self._scheduled: list[tuple[Request, int, list[int]]] = []
         self._step_id = 0
         self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
         self._sample_rows: dict[str, int] = {}  # request id -> its row in the last step's samples
@@ -124,6 +138,8 @@ class Scheduler:
         request.stop_reason = stop_reason
         request.finish_time = self.clock()
         self.block_manager.free(request_id)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -133,19 +149,24 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self._scheduled = []
         preempted: list[str] = []
+        if self.speculator is not None:
+            self.speculator.begin_step(len(self.running))
         budget = self._schedule_running(budget, preempted)
         if not preempted:  # memory is tight: let running requests drain first
             self._admit_waiting(budget)
         now = self.clock()
-        sequences, requests, sample_rows = [], {}, {}
-        for request, num_new in self._scheduled:
+        sequences, requests, sample_rows, num_drafts = [], {}, {}, 0
+        speculator, apply_first = self.speculator, False
+        for request, num_new, drafts in self._scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-            seq = self._describe(request, num_new)
+            seq = self._describe(request, num_new, drafts)
+            num_drafts += len(drafts)
             request.num_pending_tokens += num_new
             request.num_pending_samples += seq.sample
             if seq.sample:
                 sample_rows[request.request_id] = len(sample_rows)
+                apply_first |= bool(speculator and speculator.may_speculate(request))
             sequences.append(seq)
             requests[request.request_id] = request
         self._sample_rows = sample_rows
@@ -153,15 +174,18 @@ class Scheduler:
         if sequences:
             self._step_requests[self._step_id] = requests
         return SchedulerOutput(sequences=sequences, preempted_ids=preempted,
-                               step_id=self._step_id)
+                               step_id=self._step_id, num_draft_tokens=num_drafts,
+                               apply_before_next=apply_first)
 
     def _may_run_ahead(self, request: Request) -> bool:
         """With its next token still pending, a request runs ahead only if that token cannot
-        end it by length and nothing in this step needs its value (penalties)."""
+        end it by length, nothing in this step needs its value (penalties), and it would not
+        rather wait for it and speculate."""
         ahead = request.num_pending_samples
         return (request.num_output_tokens + ahead < request.params.max_tokens
                 and request.num_tokens + ahead < self.config.max_model_len
-                and not request.params.needs_penalties)
+                and not request.params.needs_penalties
+                and not (self.speculator and self.speculator.may_speculate(request)))
 
     def _schedule_running(self, budget: int, preempted: list[str]) -> int:
         """Victims of preemption come from the tail, never from the requests before i, so
@@ -175,6 +199,8 @@ class Scheduler:
                                 and not self._may_run_ahead(request)):
                 i += 1
                 continue
+            drafts = self._drafts(request, computed, num_new, budget)
+            num_new += len(drafts)
             total = computed + num_new
             while not self.block_manager.grow(request.request_id, total):
                 victim = self.running[-1]
@@ -183,10 +209,18 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._scheduled.append((request, num_new))
+                self._scheduled.append((request, num_new, drafts))
                 budget -= num_new
                 i += 1
         return budget
+
+    def _drafts(self, request: Request, computed: int, num_new: int, budget: int) -> list[int]:
+        """Drafts for a request decoding its last known token, if it may speculate."""
+        speculator = self.speculator
+        if (speculator is None or num_new != 1 or computed + 1 != request.num_tokens
+                or not speculator.may_speculate(request)):
+            return []
+        return speculator.propose(request, budget - 1)
 
     def _admit_waiting(self, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -202,7 +236,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
             self.running.append(request)
-            self._scheduled.append((request, num_new))
+            self._scheduled.append((request, num_new, []))
             budget -= num_new
 
     def _preempt(self, request: Request) -> None:
@@ -215,14 +249,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _describe(self, request: Request, num_new: int) -> ScheduledSequence:
+    def _describe(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledSequence:
         start = request.num_computed_tokens + request.num_pending_tokens
-        end = start + num_new
+        end = start + num_new - len(drafts)  # the known tokens end here
         num_tokens = request.num_tokens
         if start >= num_tokens:  # decoding ahead: the one new token is the last step's sample
             token_ids, prev_row = [PLACEHOLDER_TOKEN], self._sample_rows[request.request_id]
         else:  # nothing pending: every token up to `end` is known
-            token_ids, prev_row = request.tokens_between(start, end), -1
+            token_ids, prev_row = request.tokens_between(start, end) + drafts, -1
         block_ids = self.block_manager.block_ids(request.request_id)
         sample = end == num_tokens + request.num_pending_samples
         params = request.params
@@ -232,13 +266,14 @@ class Scheduler:
         num_output = request.num_output_tokens + request.num_pending_samples
         # positional: keyword arguments cost ~1 us more, per sequence per step
         return ScheduledSequence(request.request_id, token_ids, start, block_ids, sample, params,
-                                 output_ids, prompt_ids, num_output, prev_row)
+                                 output_ids, prompt_ids, num_output, prev_row, len(drafts))
 
     # ----------------------------------------------------------------- update
     def update(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
         """Apply one step's results. Returns requests that got a new token or finished."""
         now = self.clock()
         sampled = dict(zip(output.request_ids, output.sampled_token_ids))
+        accepted = dict(zip(output.request_ids, output.num_accepted))
         requests = self._step_requests.pop(scheduled.step_id, {})
         block_size = self.block_manager.block_size
         changed = []
@@ -249,19 +284,44 @@ class Scheduler:
             num_new = len(seq.token_ids)
             request.num_pending_tokens -= num_new
             request.num_pending_samples -= seq.sample
+            if seq.num_drafts:
+                self._apply_verified(request, seq, accepted[seq.request_id],
+                                     sampled[seq.request_id], now)
+                changed.append(request)
+                continue
             request.num_computed_tokens += num_new
             if request.num_computed_tokens % block_size < num_new:  # a block boundary passed
                 self._cache_full_blocks(request)
             token = sampled.get(seq.request_id)
             if token is None:
                 continue  # a prompt chunk that did not reach the end
-            request.append_output_token(token)
-            request.token_times.append(now)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self._check_stop(request, token)
+            self._append(request, token, now)
             changed.append(request)
         return changed
+
+    def _append(self, request: Request, token: int, now: float) -> None:
+        request.append_output_token(token)
+        request.token_times.append(now)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        self._check_stop(request, token)
+
+    def _apply_verified(self, request: Request, seq: ScheduledSequence, num_accepted: int,
+                        token: int, now: float) -> None:
+        """A decoding row with drafts: its last token and the accepted drafts now have KV.
+        The accepted drafts and the sampled token join the output one at a time, up to the
+        first that ends the request; the blocks past its computed tokens are released."""
+        self.speculator.observe(seq.num_drafts, num_accepted)
+        num_known = len(seq.token_ids) - seq.num_drafts
+        gained = num_known + num_accepted
+        request.num_computed_tokens += gained
+        for new_token in seq.token_ids[num_known:num_known + num_accepted] + [token]:
+            self._append(request, new_token, now)
+            if request.status is not RequestStatus.RUNNING:
+                return  # finished: its blocks are freed, later tokens dropped
+        if request.num_computed_tokens % self.block_manager.block_size < gained:
+            self._cache_full_blocks(request)  # after the appends: a block's tokens are known
+        self.block_manager.shrink(request.request_id, request.num_computed_tokens)
 
     def _cache_full_blocks(self, request: Request) -> None:
         """Offer newly filled blocks to the prefix cache. Called only when a block boundary

@@ -5,7 +5,12 @@ output so far), guess that what followed them then follows now.
                  ^^^^^^^ most recent earlier match   proposal: "sat on the mat" (k = 4)
 
 n goes from prompt_lookup_max down to prompt_lookup_min; the first n with a match wins, and
-the most recent occurrence of that n-gram supplies the proposal.
+the most recent occurrence of that n-gram supplies the proposal. A match close to the end
+has fewer than k tokens after it; the copy then goes on through the tokens it is proposing
+(as an LZ77 copy overlaps itself), so a request caught in a loop gets k drafts of the loop:
+
+    tokens   ... 7 8 9 7 8 | ?        last 2: "7 8", latest match ends 2 back
+    proposal     9 7 8 9              (k = 4: 9, then the proposal's own 7 8 9)
 
 Cost. Each request keeps an index: n-gram -> end position of its latest occurrence that has
 a token after it. A new token adds (max - min + 1) n-grams, each a tuple of at most max
@@ -40,8 +45,15 @@ class _RequestIndex:
         for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
             end = self.latest_end.get(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end + 1:end + 1 + max_drafts]
+                return _copy(tokens, end + 1, max_drafts)
         return []
+
+
+def _copy(tokens: list[int], start: int, count: int) -> list[int]:
+    """count tokens from tokens[start:], going on through the copy itself past the end."""
+    period = len(tokens) - start  # >= 1: a match always has a token after it
+    follow = tokens[start:start + count]
+    return [follow[i % period] for i in range(count)] if count > period else follow
 
 
 class NgramProposer:

@@ -28,7 +28,9 @@ class HostInputs:
     block_tables: np.ndarray  # int32 [S, max_blocks_per_seq]
     seq_lens: np.ndarray  # int32 [S]
     query_start_loc: np.ndarray  # int32 [S + 1]
-    sample_indices: np.ndarray  # int64: the last token row of each sample=True sequence
+    # int64: the last token row of each sample=True sequence, and before it one row per
+    # draft of a sequence with drafts (engine.worker.draft_rows)
+    sample_indices: np.ndarray
     max_query_len: int
 
 
@@ -67,8 +69,19 @@ def prepare_host_inputs(seqs: list[ScheduledSequence], block_size: int,
         slot_mapping=block_of_token * block_size + positions % block_size,
         block_tables=block_tables, seq_lens=(starts + new_lens).astype(np.int32),
         query_start_loc=query_start_loc.astype(np.int32),
-        sample_indices=(query_start_loc[1:] - 1)[[s.sample for s in seqs]],
+        sample_indices=_sample_indices(seqs, query_start_loc),
         max_query_len=int(new_lens.max()))
+
+
+def _sample_indices(seqs: list[ScheduledSequence], query_start_loc: np.ndarray) -> np.ndarray:
+    """Token rows whose logits are sampled: each sampling sequence's last num_drafts + 1."""
+    sampling = [s.sample for s in seqs]
+    last = (query_start_loc[1:] - 1)[sampling]
+    counts = np.array([s.num_drafts + 1 for s in seqs], dtype=np.int64)[sampling]
+    if len(counts) == 0 or counts.max() == 1:
+        return last
+    first = np.repeat(last - counts + 1, counts)
+    return first + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _block_table_array(seqs: list[ScheduledSequence], width: int) -> np.ndarray:

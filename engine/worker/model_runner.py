@@ -16,6 +16,9 @@ import torch
 from engine.worker.attention import get_attention_backend
 from engine.core.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.core.config import EngineConfig
+from engine.spec.switch import StepTimes
+from engine.worker.draft_rows import position_rows, verify_drafts
+from engine.worker.spec_timing import measure_step_times
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
 from engine.worker.inputs import (is_decode_step, prepare_host_inputs, take_placeholders,
                                   to_device)
@@ -84,6 +87,10 @@ class ModelRunner:
         # the last launched step's sampled tokens, which the next step's placeholders name
         self._last_step: LaunchedStep | None = None
         self.block_size = config.cache.block_size
+        # a step with drafts samples at each draft too: up to k + 1 logits rows a sequence
+        spec = config.speculative
+        self.max_drafts = spec.num_speculative_tokens if spec else 0
+        self.max_sample_rows = config.scheduler.max_num_seqs * (self.max_drafts + 1)
         self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
         self.num_kv_blocks = config.cache.num_kv_blocks or self._num_blocks_that_fit()
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
@@ -108,7 +115,7 @@ class ModelRunner:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches,
                                             sched.max_num_batched_tokens, sched.max_num_seqs,
                                             self.max_blocks_per_seq, sched.max_model_len,
-                                            self.device)
+                                            self.device, self.max_sample_rows)
             pool = self.mixed_graphs.capture()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
                                    self.max_blocks_per_seq, self.block_size,
@@ -169,14 +176,15 @@ class ModelRunner:
         sched = self.config.scheduler
         rows = sum(capture_sizes(sched.max_num_seqs))
         if self.config.model.mixed_step_graphs:
-            rows += sum(min(size, sched.max_num_seqs)
+            rows += sum(min(size, self.max_sample_rows)
                         for size in mixed_capture_sizes(sched.max_num_batched_tokens))
         logits_row = self.model.config.padded_vocab_size * self.dtype.itemsize
         return rows * logits_row + step_bytes + (256 << 20)
 
     def _profile_step(self) -> tuple[SchedulerOutput, int]:
         """The worst-case step: the full token budget over as many sequences as may run at
-        once, each sampling with the sort-based filters; and the blocks it needs."""
+        once, each sampling with the sort-based filters (and at up to k drafts, when
+        speculating); and the blocks it needs."""
         sched = self.config.scheduler
         num_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
         lens = [min(sched.max_model_len, len(chunk))
@@ -186,9 +194,24 @@ class ModelRunner:
         for i, n in enumerate(lens):
             num_blocks = -(-n // self.block_size)
             block_ids = list(range(next_block, next_block + num_blocks))
-            seqs.append(ScheduledSequence(f"profile-{i}", [0] * n, 0, block_ids, True, params))
+            seqs.append(ScheduledSequence(f"profile-{i}", [0] * n, 0, block_ids, True, params,
+                                          num_drafts=min(n - 1, self.max_drafts)))
             next_block += num_blocks
-        return SchedulerOutput(seqs), next_block
+        num_drafts = sum(s.num_drafts for s in seqs)
+        return SchedulerOutput(seqs, num_draft_tokens=num_drafts), next_block
+
+    def measure_spec_step_times(self) -> StepTimes | None:
+        """The speculation switch-off's step times (engine/worker/spec_timing.py), on CUDA
+        with speculation configured; None elsewhere: CPU times say nothing of a GPU's, and
+        without them every step speculates."""
+        spec = self.config.speculative
+        if spec is None or self.device.type != "cuda":
+            return None
+        start = time.perf_counter()
+        times = measure_step_times(self, spec, self.config.scheduler)
+        log.info("speculation cost model measured in %.1f s: %s", time.perf_counter() - start,
+                 times)
+        return times
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Forward the scheduled tokens, writing their KV, and sample for sample=True
@@ -204,12 +227,15 @@ class ModelRunner:
     @torch.inference_mode()
     def _launch(self, out: SchedulerOutput, kv_caches: list[KVCache]) -> PendingStep:
         to_sample = [s for s in out.sequences if s.sample]
-        draw_inputs = self.sampler.draw_inputs(to_sample)
+        rows = position_rows(to_sample) if out.num_draft_tokens else to_sample
+        draw_inputs = self.sampler.draw_inputs(rows)
         logits, drawn = self._forward(out, draw_inputs, kv_caches)
         if not to_sample:  # prompt chunks only: nothing to sample
             self._last_step = LaunchedStep(out.step_id, None)
             return PendingStep([], None)
-        sampled = self.sampler(logits, to_sample, draw_inputs, drawn)
+        sampled = self.sampler(logits, rows, draw_inputs, drawn)
+        if out.num_draft_tokens:
+            sampled = verify_drafts(sampled, to_sample)
         sampled.begin_host_copy()
         self._last_step = LaunchedStep(out.step_id, sampled.token_ids)
         return PendingStep([s.request_id for s in to_sample], sampled)
@@ -273,4 +299,4 @@ class PendingStep:
         if self.sampled is None:
             return RunnerOutput([], [], [])
         token_ids, logprobs = self.sampled.to_lists()
-        return RunnerOutput(self.request_ids, token_ids, logprobs)
+        return RunnerOutput(self.request_ids, token_ids, logprobs, self.sampled.accepted_list())

@@ -39,6 +39,7 @@ class SamplerOutput:
     sampled_logprobs: torch.Tensor | None = None  # [len(logprob_rows)]
     top_ids: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)]
     top_logprobs: torch.Tensor | None = None
+    num_accepted: torch.Tensor | None = None  # [N] int64, a step with drafts (draft_rows.py)
     host: list[torch.Tensor] | None = field(default=None, repr=False)  # once copies started
     ready: torch.cuda.Event | None = field(default=None, repr=False)  # when they landed
 
@@ -48,6 +49,8 @@ class SamplerOutput:
         tensors = [self.token_ids]
         if self.logprob_rows:
             tensors += [self.sampled_logprobs, self.top_ids, self.top_logprobs]
+        if self.num_accepted is not None:
+            tensors.append(self.num_accepted)
         if not tensors[0].is_cuda:
             self.host = [t.clone() for t in tensors]  # a snapshot, as the copy would be
             return
@@ -64,10 +67,14 @@ class SamplerOutput:
         token_ids = self.host[0].tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         if self.logprob_rows:
-            sampled, top_ids, top_lps = (t.tolist() for t in self.host[1:])
+            sampled, top_ids, top_lps = (t.tolist() for t in self.host[1:4])
             for j, (row, k) in enumerate(zip(self.logprob_rows, self.num_top)):
                 logprobs[row] = TokenLogprobs(sampled[j], top_ids[j][:k], top_lps[j][:k])
         return token_ids, logprobs
+
+    def accepted_list(self) -> list[int]:
+        """Each row's accepted drafts, once to_lists has waited; [] for a step without."""
+        return [] if self.num_accepted is None else self.host[-1].tolist()
 
 
 def is_plain_draw(seqs: list[ScheduledSequence]) -> bool:

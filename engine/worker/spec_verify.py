@@ -74,11 +74,10 @@ def verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     temperature = temperature.float()
     plain = draw(logits.reshape(-1, vocab), temperature.repeat_interleave(width),
                  seeds.reshape(-1)).view(rows, width)
+    if draft_probs is None or width == 1:
+        return accept_drawn(plain, draft_token_ids, num_drafts)
     is_draft = torch.arange(width - 1, device=logits.device) < num_drafts[:, None]
     plain_accepts = (plain[:, :-1] == draft_token_ids) & is_draft
-    if draft_probs is None or width == 1:
-        num_accepted = _leading_true(plain_accepts)
-        return Verified(num_accepted, _mask_after(plain, num_accepted))
     greedy = temperature == 0
     accepts = torch.where(greedy[:, None], plain_accepts,
                           _dense_accepts(logits, draft_token_ids, draft_probs, temperature,
@@ -90,6 +89,16 @@ def verify(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     tokens = torch.cat([draft_token_ids, next_token[:, None]], dim=1)
     tokens = tokens.scatter(1, num_accepted[:, None], next_token[:, None])
     return Verified(num_accepted, _mask_after(tokens, num_accepted))
+
+
+def accept_drawn(plain: torch.Tensor, draft_token_ids: torch.Tensor,
+                 num_drafts: torch.Tensor) -> Verified:
+    """One-hot drafts judged against the plain draws of their positions (plain [R, k + 1]:
+    what the sampler drew at each position, e.g. inside a CUDA graph): accepted while equal,
+    then the draw at the first mismatch, or the bonus draw after all of them."""
+    is_draft = torch.arange(plain.shape[1] - 1, device=plain.device) < num_drafts[:, None]
+    num_accepted = _leading_true((plain[:, :-1] == draft_token_ids) & is_draft)
+    return Verified(num_accepted, _mask_after(plain, num_accepted))
 
 
 def _probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,15 @@
 """Mixed-step graphs: steps with prompt tokens (prefill chunks, with or without decodes), per
-padded token count N, holding R = min(N, max_num_seqs) sequence rows, and the stager that
-writes such a step into their pinned buffers:
+padded token count N, holding R = min(N, max_num_seqs) sequence rows and
+min(N, max_sample_rows) sampling rows, and the stager that writes such a step into their
+pinned buffers:
 
     tokens     t0 .. t(T-1)             | T .. N-1: token 0, position 0, slot -1
     sequences  s0 .. s(S-1)             | S .. R-1: no new tokens, seq_len 0
-    samples    the sampling sequences' last token rows | padding: row 0, greedy
+    samples    the sampling sequences' last token rows (with drafts: their last
+               num_drafts + 1 rows, engine.worker.draft_rows) | padding: row 0, greedy
+
+So a speculative verification step (k + 1 tokens per decoding sequence) replays the graph of
+its padded token count like any other step with several tokens per sequence.
 
 The prefill attention grid depends only on tensor shapes (kernels.paged_attention), so one
 capture serves every step that fits; padding token rows leave attention unwritten and stay in
@@ -24,28 +29,39 @@ from engine.worker.inputs import HostInputs
 from engine.worker.sampler import DrawInputs
 
 
-def mixed_meta_layout(max_seqs: int, max_blocks_per_seq: int) -> BufferLayout:
-    """The mixed-step graphs' int32 buffer."""
-    return BufferLayout(query_start_loc=max_seqs + 1, seq_lens=max_seqs, sample_rows=max_seqs,
+def mixed_meta_layout(max_seqs: int, max_blocks_per_seq: int,
+                      max_sample_rows: int | None = None) -> BufferLayout:
+    """The mixed-step graphs' int32 buffer (sampling rows: max_seqs unless given)."""
+    return BufferLayout(query_start_loc=max_seqs + 1, seq_lens=max_seqs,
+                        sample_rows=max_sample_rows or max_seqs,
                         block_tables=(max_seqs, max_blocks_per_seq))
 
 
 class MixedGraphs(GraphSet):
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_batched_tokens: int,
                  max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-                 device: torch.device):
+                 device: torch.device, max_sample_rows: int | None = None):
+        """max_sample_rows: logits rows a step may sample (max_num_seqs unless drafts make
+        it more: max_num_seqs (k + 1))."""
+        max_sample_rows = max_sample_rows or max_num_seqs
         super().__init__(model, kv_caches, mixed_capture_sizes(max_num_batched_tokens),
-                         mixed_meta_layout(max_num_seqs, max_blocks_per_seq), device,
-                         MixedStager)
+                         mixed_meta_layout(max_num_seqs, max_blocks_per_seq, max_sample_rows),
+                         device, MixedStager)
         self.max_seqs = max_num_seqs
+        self.max_sample_rows = max_sample_rows
         self.max_model_len = max_model_len
 
     def rows(self, size: int) -> int:
         """Sequence rows of the graph for `size` tokens (a sequence has at least one)."""
         return min(size, self.max_seqs)
 
+    def sample_rows(self, size: int) -> int:
+        """Logits rows of the graph for `size` tokens (each is a token's)."""
+        return min(size, self.max_sample_rows)
+
     def fits(self, host: HostInputs) -> bool:
-        return len(host.token_ids) <= self.sizes[-1] and len(host.seq_lens) <= self.max_seqs
+        return (len(host.token_ids) <= self.sizes[-1] and len(host.seq_lens) <= self.max_seqs
+                and len(host.sample_indices) <= self.max_sample_rows)
 
     def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows, m = self.rows(size), self.meta
@@ -55,15 +71,17 @@ class MixedGraphs(GraphSet):
             max_query_len=size, max_seq_len=self.max_model_len)
         hidden = self.model(self._input_ids(size), self.tokens.positions[:size],
                             self.kv_caches, meta)
-        return self._logits_and_draws(hidden.index_select(0, m.sample_rows[:rows]))
+        sampled = m.sample_rows[:self.sample_rows(size)]
+        return self._logits_and_draws(hidden.index_select(0, sampled))
 
     def run(self, host: HostInputs, sources: list[int], prev_tokens: torch.Tensor | None,
             draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for this step (see DecodeGraphs.run); returns the logits and
         draws of its sampling sequences."""
         size = next(s for s in self.sizes if s >= len(host.token_ids))
-        rows = self.rows(size)
-        self._replay(size, lambda stager: stager.write(host, sources, draw_inputs, size, rows),
+        rows, sample_rows = self.rows(size), self.sample_rows(size)
+        self._replay(size, lambda stager: stager.write(host, sources, draw_inputs, size, rows,
+                                                       sample_rows),
                      prev_tokens, rows)
         num_samples = len(host.sample_indices)
         return self.logits[size][:num_samples], self.drawn[size][:num_samples]
@@ -71,9 +89,10 @@ class MixedGraphs(GraphSet):
 
 class MixedStager:
     """Writes a step with prompt tokens (HostInputs) into the named views of one pinned mirror
-    (`tokens`: token_layout; `meta`: mixed_meta_layout), padded to `size` tokens and `rows`
-    sequences. Padding tokens: token 0, position 0, slot -1, their own token; padding
-    sequences: query start at the real token count, seq_len 0, sample row 0, greedy draw."""
+    (`tokens`: token_layout; `meta`: mixed_meta_layout), padded to `size` tokens, `rows`
+    sequences and `sample_rows` sampling rows (`rows` unless given). Padding tokens: token 0,
+    position 0, slot -1, their own token; padding sequences: query start at the real token
+    count, seq_len 0; padding sampling rows: row 0, greedy draw."""
 
     def __init__(self, tokens: SimpleNamespace, meta: SimpleNamespace):
         self.tokens, self.meta = tokens, meta
@@ -81,10 +100,11 @@ class MixedStager:
         self._own_token = np.arange(n, 2 * n)  # token_source of each row's own token id
 
     def write(self, host: HostInputs, sources: list[int], draw_inputs: DrawInputs, size: int,
-              rows: int) -> None:
+              rows: int, sample_rows: int | None = None) -> None:
         """`sources[s]` >= 0: sequence s's one new token is a placeholder, row sources[s] of
         the previous step's samples."""
         t, m = self.tokens, self.meta
+        sample_rows = sample_rows or rows
         tokens, seqs, samples = len(host.token_ids), len(host.seq_lens), len(host.sample_indices)
         np.maximum(host.token_ids, 0, out=t.token_ids[:tokens])  # placeholders: prev_tokens
         t.positions[:tokens] = host.positions
@@ -96,11 +116,11 @@ class MixedStager:
         t.token_ids[tokens:size] = 0
         t.positions[tokens:size] = 0
         t.slot_mapping[tokens:size] = -1
-        stage_draw_inputs(t, draw_inputs, rows)
+        stage_draw_inputs(t, draw_inputs, sample_rows)
         m.query_start_loc[:seqs + 1] = host.query_start_loc
         m.query_start_loc[seqs + 1:rows + 1] = tokens
         m.seq_lens[:seqs] = host.seq_lens
         m.seq_lens[seqs:rows] = 0
         m.sample_rows[:samples] = host.sample_indices
-        m.sample_rows[samples:rows] = 0
+        m.sample_rows[samples:sample_rows] = 0
         m.block_tables[:seqs] = host.block_tables

@@ -1,0 +1,58 @@
+"""A step with drafts, as the sampler sees it, and its verification.
+
+A sequence with d drafts samples at d + 1 positions: its last known token and each draft.
+The sampler gets one row per position, position i drawing as output index
+num_output_tokens + i would (its seed, `Sampler.draw_inputs`), so each draw is the very token
+plain decoding would sample there given the drafts before it. Verification then compares
+(spec_verify.accept_drawn): drafts stay while they equal the draws, and the draw at the first
+mismatch, or after the last draft, is the sequence's sampled token.
+
+    sequences   A (2 drafts)          B (none)     C (1 draft)
+    rows        A+0  A+1  A+2         B+0          C+0  C+1
+    plain       [[A+0 A+1 A+2]        [B+0 B+0 B+0]  [C+0 C+1 C+1]]    (padding repeats)
+    sampled     A: plain[num_accepted]   B: B+0   C: plain[num_accepted]
+
+Only one-hot drafts (host proposers) come this way, so the plain draws decide everything.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from engine.core.batch import ScheduledSequence
+from engine.worker.inputs import upload
+from engine.worker.sampler import SamplerOutput
+from engine.worker.spec_verify import NO_TOKEN, accept_drawn
+
+
+def position_rows(seqs: list[ScheduledSequence]) -> list[ScheduledSequence]:
+    """One sampling row per position each sequence samples at (see the module docstring)."""
+    rows = []
+    for seq in seqs:
+        rows.append(seq)
+        rows += [replace(seq, num_output_tokens=seq.num_output_tokens + i)
+                 for i in range(1, seq.num_drafts + 1)]
+    return rows
+
+
+def verify_drafts(sampled: SamplerOutput, seqs: list[ScheduledSequence]) -> SamplerOutput:
+    """The per-position draws of `seqs` (sampling sequences, in order) -> one sampled token
+    per sequence, with how many of its drafts were accepted."""
+    num_drafts = np.array([s.num_drafts for s in seqs], dtype=np.int64)
+    first_row = np.cumsum(num_drafts + 1) - num_drafts - 1
+    width = int(num_drafts.max()) + 1
+    gather = first_row[:, None] + np.minimum(np.arange(width), num_drafts[:, None])
+    drafts = np.full((len(seqs), width - 1), NO_TOKEN, dtype=np.int64)
+    for row, seq in enumerate(seqs):
+        if seq.num_drafts:
+            drafts[row, :seq.num_drafts] = seq.token_ids[-seq.num_drafts:]
+    device = sampled.token_ids.device
+    plain = sampled.token_ids[upload(gather, torch.int64, device)]
+    verified = accept_drawn(plain, upload(drafts, torch.int64, device),
+                            upload(num_drafts, torch.int64, device))
+    tokens = verified.token_ids.gather(1, verified.num_accepted[:, None]).squeeze(1)
+    row_of_position = np.repeat(np.arange(len(seqs)), num_drafts + 1)
+    return replace(sampled, token_ids=tokens, num_accepted=verified.num_accepted,
+                   logprob_rows=row_of_position[sampled.logprob_rows].tolist())

@@ -1,0 +1,76 @@
+"""The step times the speculation switch-off decides from (engine/spec/switch.py), measured
+at startup: a plain decode step T(B), and a speculative step S(B, k) = a verification step
+(B rows of k + 1 tokens; the mixed-step graph of that padded count on CUDA) plus the n-gram
+proposer's host time for B requests, for each batch size B a step can hold and k in 1..K.
+
+The synthetic steps read and write the KV of blocks 0.. while nothing is cached yet; every
+sequence of a step shares one block table, which costs the kernels what distinct tables
+would. Times are wall-clock seconds of `runner.execute` (launch, wait), the median of a few.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from engine.core.batch import ScheduledSequence, SchedulerOutput
+from engine.core.config import SchedulerConfig, SpeculativeConfig
+from engine.core.request import SamplingParams
+from engine.spec.ngram import NgramProposer
+from engine.spec.proposer import DraftContext
+from engine.spec.switch import StepTimes
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CONTEXT = 256  # tokens in the cache before the measured positions
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def measure_step_times(runner, spec: SpeculativeConfig, sched: SchedulerConfig,
+                       repeats: int = 5) -> StepTimes:
+    """`runner`: a ModelRunner (its `execute`, `block_size`, `num_kv_blocks`)."""
+    k_max = spec.num_speculative_tokens
+    sizes = sorted({b for b in BATCH_SIZES + (sched.max_num_seqs,)
+                    if b <= sched.max_num_seqs and b * (k_max + 1) <= sched.max_num_batched_tokens})
+    room = min(sched.max_model_len, runner.num_kv_blocks * runner.block_size)
+    context = min(CONTEXT, room) - k_max - 1
+    plain = tuple(_seconds(runner, _step(b, 0, context, runner.block_size), repeats)
+                  for b in sizes)
+    speculative = {}
+    for k in range(1, k_max + 1):
+        propose = proposer_seconds(spec, k, context)
+        speculative[k] = tuple(
+            _seconds(runner, _step(b, k, context, runner.block_size), repeats) + b * propose
+            for b in sizes)
+    return StepTimes(tuple(sizes), plain, speculative)
+
+
+def _step(batch: int, k: int, context: int, block_size: int) -> SchedulerOutput:
+    """batch decoding sequences at position `context`, each with k drafts."""
+    blocks = tuple(range(-(-(context + k + 1) // block_size)))
+    seqs = [ScheduledSequence(f"timing-{i}", [0] * (k + 1), context, blocks, True, GREEDY,
+                              num_drafts=k) for i in range(batch)]
+    return SchedulerOutput(seqs, num_draft_tokens=batch * k)
+
+
+def _seconds(runner, step: SchedulerOutput, repeats: int) -> float:
+    runner.execute(step)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute(step)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def proposer_seconds(spec: SpeculativeConfig, k: int, context: int,
+                      requests: int = 64) -> float:
+    """Host seconds of one n-gram proposal per request, its prompt already indexed."""
+    proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    prompt = [i % 97 for i in range(context)]  # repeats: every lookup finds a match
+    contexts = [DraftContext(str(i), prompt, [], k) for i in range(requests)]
+    for c in contexts:
+        proposer.propose(c)  # indexes the prompt: once per request, not per step
+    grown = [DraftContext(c.request_id, prompt, [7], k) for c in contexts]
+    start = time.perf_counter()
+    for c in grown:
+        proposer.propose(c)
+    return (time.perf_counter() - start) / requests

@@ -1,0 +1,292 @@
+"""Speculative decoding's speed against the same engine without it, in one run (issue 15).
+
+    python3 scripts/bench_spec.py --model gpt2-xl --out $OUT          # GPU node
+    python3 scripts/bench_spec.py --replot $OUT/spec.json             # the PNGs again
+
+Random weights make real acceptance meaningless, so the oracle proposer replays the target's
+own greedy output with each draft corrupted with probability 1 - a:
+  * one stream: speedup against a for each k, beside the analytic expectation
+    E / (k c + 1), E = (1 - a^(k+1)) / (1 - a), c the proposer's cost per draft over one
+    decode step, and the refined E / (k c + V/T) with V/T the measured verification cost;
+  * batch sizes at a = 0.7, k = 4: throughput with the switch-off on and off;
+  * the real n-gram proposer on prompts that restate a passage: acceptance and speedup;
+  * one plain stream with and without scheduling ahead: what a speculating step gives up by
+    being applied before the next is scheduled.
+Speculation off is the same engine with its draft length set to 0. Writes spec.json and, where
+matplotlib is installed, spec_rates.png and spec_batches.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench_utils import checkpoint_for, device_info, write_result
+
+from engine import LLM, SamplingParams
+from engine.spec.ngram import NgramProposer
+from engine.spec.oracle import OracleProposer
+from engine.spec.switch import expected_tokens
+from engine.worker.spec_timing import proposer_seconds
+
+VOCAB = 50257
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2-xl", help="arch name (random weights) or path")
+    parser.add_argument("--out", default=".", help="directory for spec.json and the PNGs")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rates", default="0,0.5,0.7,0.9,1.0")
+    parser.add_argument("--ks", default="2,4,6")
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--batch-rate", type=float, default=0.7)
+    parser.add_argument("--batch-k", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the PNGs of a result")
+    return parser.parse_args(argv)
+
+
+def numbers(text: str, kind=float) -> list:
+    return [kind(x) for x in text.split(",")]
+
+
+class Bench:
+    """One engine, configured to speculate with the largest k; each measurement sets its
+    proposer, draft length and switch."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        k_max = max(numbers(args.ks, int) + [args.batch_k])
+        dtype = "float16" if args.device == "cuda" else "float32"
+        self.llm = LLM(model=checkpoint_for(args.model), device=args.device, dtype=dtype,
+                       max_num_seqs=max(numbers(args.batches, int)),
+                       speculative_config={"method": "ngram", "num_speculative_tokens": k_max,
+                                           "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+        self.engine = self.llm.engine
+        self.speculator = self.engine.core.speculator
+        self.measured_switch = self.speculator.switch  # None off CUDA
+        self._next = 0
+        self.judged = 0  # drafts the target judged: a row's run ends at its first rejection
+        observe = self.speculator.observe
+
+        def observe_judged(num_drafts: int, num_accepted: int) -> None:
+            self.judged += num_accepted + (num_accepted < num_drafts)
+            observe(num_drafts, num_accepted)
+
+        self.speculator.observe = observe_judged
+
+    def configure(self, k: int, proposer=None, switch=None) -> None:
+        self.speculator.max_k = k
+        self.speculator.proposer = proposer or self.speculator.proposer
+        self.speculator.switch = switch
+
+    def run(self, prompts: list[list[int]], references: list[list[int]] | None = None,
+            rate: float = 0.0) -> tuple[list, float]:
+        """Greedy outputs of the prompts and the wall seconds; with references, the oracle
+        replays them at acceptance rate `rate`."""
+        ids = [f"b{self._next + i}" for i in range(len(prompts))]
+        self._next += len(prompts)
+        if references is not None:
+            oracle = OracleProposer(rate, VOCAB, seed=self._next)
+            for request_id, reference in zip(ids, references):
+                oracle.add(f"{request_id}#0", reference)
+            self.speculator.proposer = oracle
+        params = SamplingParams(temperature=0.0, max_tokens=self.args.output_len,
+                                ignore_eos=True)
+        start = time.perf_counter()
+        for request_id, prompt in zip(ids, prompts):
+            self.engine.add_request(request_id, prompt, params)
+        done = {}
+        while len(done) < len(ids):
+            done.update({o.request_id: o for o in self.engine.step() if o.finished})
+        return [done[i] for i in ids], time.perf_counter() - start
+
+    def counters(self) -> dict:
+        stats = self.speculator.stats
+        return {"drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
+                "accepted": stats.num_accepted_tokens, "judged": self.judged}
+
+
+def decode_seconds_per_token(output) -> float:
+    """One stream's decode time per token after its first."""
+    metrics = output.metrics[0]
+    return (metrics.finish_time - metrics.first_token_time) / (len(output.token_ids) - 1)
+
+
+def acceptance(before: dict, after: dict) -> dict:
+    """Counters over a run: accepted / drafted, and a = accepted / judged, which the oracle
+    must reproduce."""
+    d = {name: after[name] - before[name] for name in after}
+    return {"accepted_over_drafted": d["accepted"] / max(d["draft_tokens"], 1),
+            "a_measured": d["accepted"] / max(d["judged"], 1),
+            "mean_accepted_length": 1 + d["accepted"] / max(d["drafts"], 1)}
+
+
+def single_stream(bench: Bench, prompt: list[int], c: float, verify_ratio: dict) -> list:
+    args = bench.args
+    bench.configure(0)
+    outputs, _ = bench.run([prompt])
+    reference, plain = outputs[0].token_ids, decode_seconds_per_token(outputs[0])
+    rows = []
+    for k in numbers(args.ks, int):
+        for a in numbers(args.rates):
+            bench.configure(k)
+            before = bench.counters()
+            outputs, _ = bench.run([prompt], [reference], a)
+            assert outputs[0].token_ids == reference, "speculation changed the greedy output"
+            after = bench.counters()
+            expected = expected_tokens(a, k)
+            rows.append({"k": k, "a": a, "speedup": plain / decode_seconds_per_token(outputs[0]),
+                         "expected": expected / (k * c + 1),
+                         "expected_refined": expected / (k * c + verify_ratio.get(k, 1.0)),
+                         **acceptance(before, after)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def batches(bench: Bench, rng: random.Random) -> list:
+    args, rows = bench.args, []
+    for batch in numbers(args.batches, int):
+        prompts = [random_tokens(rng, args.prompt_len) for _ in range(batch)]
+        bench.configure(0)
+        outputs, plain = bench.run(prompts)
+        references = [o.token_ids for o in outputs]
+        tokens = sum(len(r) for r in references)
+        row = {"batch": batch, "plain_tok_s": tokens / plain}
+        for name, switch in (("switch_off", None), ("switch_on", bench.measured_switch)):
+            if name == "switch_on" and switch is None:
+                continue  # no cost model off CUDA
+            bench.configure(args.batch_k, switch=switch)
+            _, seconds = bench.run(prompts, references, args.batch_rate)
+            row[f"speedup_{name}"] = plain / seconds
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def ngram_workload(bench: Bench, rng: random.Random) -> dict:
+    """Prompts restating a passage three times, then its start (the lookup finds it), one
+    stream at a time."""
+    args = bench.args
+    passage_len = max(args.prompt_len // 4, 8)
+    prompts = []
+    for _ in range(4):
+        passage = random_tokens(rng, passage_len)
+        prompts.append(passage * 3 + passage[:passage_len // 2])
+    bench.configure(0)
+    plain = [bench.run([p])[0][0] for p in prompts]  # one stream at a time
+    k, cfg = args.batch_k, bench.llm.engine.config.speculative
+    bench.configure(k, proposer=NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+    before = bench.counters()
+    spec = [bench.run([p])[0][0] for p in prompts]
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    after = bench.counters()
+    speedups = [decode_seconds_per_token(p) / decode_seconds_per_token(s)
+                for p, s in zip(plain, spec)]
+    return {"k": k, "lookup": [cfg.prompt_lookup_min, cfg.prompt_lookup_max],
+            "speedup_mean": sum(speedups) / len(speedups), **acceptance(before, after)}
+
+
+def pipelining(bench: Bench, prompt: list[int]) -> dict:
+    """One plain stream with and without scheduling one step ahead: what a speculating step,
+    applied before the next is scheduled, gives up (its host work is not overlapped)."""
+    core, result = bench.engine.core, {}
+    bench.configure(0)
+    pipelined = core.config
+    for mode in (True, False):
+        while core.has_unfinished():  # a step still in flight belongs to the old mode
+            core.step()
+        core.config = replace(pipelined, scheduler=replace(pipelined.scheduler,
+                                                           async_scheduling=mode))
+        outputs, _ = bench.run([prompt])
+        result["async_ms_per_token" if mode else "sync_ms_per_token"] = (
+            decode_seconds_per_token(outputs[0]) * 1e3)
+    core.config = pipelined
+    return result
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB - 1) for _ in range(n)]
+
+
+def cost_ratios(bench: Bench) -> tuple[float, dict]:
+    """c: the n-gram proposer's host time per draft over one decode step T(1); and the
+    verification step's cost over T(1) per k, both from the startup measurement."""
+    switch = bench.measured_switch
+    cfg = bench.llm.engine.config.speculative
+    k = bench.args.batch_k
+    if switch is None:
+        return 0.0, {}
+    times = switch.times
+    plain = times.at(times.plain, 1)
+    c = proposer_seconds(cfg, k, bench.args.prompt_len) / k / plain
+    return c, {k: times.at(series, 1) / plain for k, series in times.speculative.items()}
+
+
+def replot(result: dict, out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (spec.json has the numbers; --replot later)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = result["single_stream"]
+    for k in sorted({r["k"] for r in rows}):
+        mine = [r for r in rows if r["k"] == k]
+        line, = ax.plot([r["a"] for r in mine], [r["speedup"] for r in mine], marker="o",
+                        label=f"k={k} measured")
+        ax.plot([r["a"] for r in mine], [r["expected"] for r in mine], linestyle="--",
+                color=line.get_color(), label=f"k={k} analytic")
+    ax.set(xlabel="acceptance rate a", ylabel="single-stream speedup",
+           title=f"{result['args']['model']}: oracle proposer")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "spec_rates.png", dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = result["batches"]
+    for key in ("speedup_switch_off", "speedup_switch_on"):
+        if any(key in r for r in rows):
+            ax.plot([r["batch"] for r in rows], [r.get(key) for r in rows], marker="o",
+                    label=key.replace("speedup_", "").replace("_", " "))
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set(xlabel="batch size", ylabel="throughput vs no speculation", xscale="log",
+           title=f"a = {result['args']['batch_rate']}, k = {result['args']['batch_k']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "spec_batches.png", dpi=120)
+    print(f"wrote {out / 'spec_rates.png'} and {out / 'spec_batches.png'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.replot:
+        replot(json.loads(Path(args.replot).read_text()), Path(args.replot).parent)
+        return
+    out = Path(args.out)
+    bench = Bench(args)
+    rng = random.Random(0)
+    bench.configure(0)
+    bench.run([random_tokens(rng, args.prompt_len)] * 2)  # warm-up
+    c, verify_ratio = cost_ratios(bench)
+    result = {**device_info(), "args": vars(args), "c": c, "verify_over_decode": verify_ratio,
+              "single_stream": single_stream(bench, random_tokens(rng, args.prompt_len), c,
+                                             verify_ratio),
+              "batches": batches(bench, rng), "ngram": ngram_workload(bench, rng),
+              "pipelining": pipelining(bench, random_tokens(rng, args.prompt_len))}
+    write_result("spec", result, out_dir=out)
+    replot(result, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
