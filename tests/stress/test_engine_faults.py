@@ -46,17 +46,17 @@ def test_a_failing_step_errors_every_stream_and_turns_health_503(launch):
 def test_a_hung_step_trips_the_watchdog_and_sigterm_still_ends_every_stream(launch):
     server = launch("--watchdog-timeout", "1", "--shutdown-timeout", "2", module=FAULTY)
 
-    async def health(http: httpx.AsyncClient) -> int:
-        return (await http.get("/health")).status_code
-
     async def scenario():
         async with client(server.url) as http:
+            async def unhealthy() -> bool:
+                return (await http.get("/health")).status_code == 503
+
             streams, tasks = await start_bystanders(http, 4)
-            assert await health(http) == 200
+            assert not await unhealthy()
             hung = Stream({"prompt": HANG_PROMPT, "max_tokens": 4})
             tasks.append(asyncio.create_task(hung.run(http)))
             assert await until(lambda: hung.status == 200, timeout=10)
-            assert await until(lambda: health(http) == 503, timeout=1 + 5)
+            assert await until(unhealthy, timeout=1 + 5)
             return await sigterm(server, tasks, limit=2 + 2), streams + [hung]
     seconds_to_exit, streams = asyncio.run(scenario())
     assert seconds_to_exit <= 2 + 2

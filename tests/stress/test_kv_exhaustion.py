@@ -10,7 +10,7 @@ from sse_client import run_streams, solo_texts
 
 def test_preempted_requests_give_identical_outputs(launch):
     """4 blocks of 16 tokens hold 64 tokens; 10 requests of 4 + 24 tokens need 280. Each
-    prompt fits one block, so many are admitted and then preempt each other as they grow."""
+    prompt fits one block, so four are admitted at once and preempt each other as they grow."""
     server = launch("--num-kv-blocks", "4", "--max-num-seqs", "10")
     rng = random.Random(3)
     bodies = [{"prompt": [rng.randrange(50000) for _ in range(4)], "max_tokens": 24,
