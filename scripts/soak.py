@@ -7,7 +7,8 @@ names: KV-cache usage, running and waiting requests), the server's RSS and its G
 Writes DIR/soak.json (requests served, outcomes, errors by kind, p99 latencies per window,
 memory and block-pool usage over time) and DIR/soak.png. Exits 1 on any 5xx, transport
 error, 4xx on a valid request or lost request (a stream that ended without [DONE], a bad
-input that was served), or when the server does not drain to zero requests and zero referenced KV blocks afterwards.
+input that was served), or when the server does not drain to zero requests and zero
+referenced KV blocks afterwards.
 
     python scripts/soak.py --minutes 10 --model checkpoints/gpt2-random \\
         --server-args "--device cuda" --concurrency 64 --out docs/benchmarks/h100/soak
@@ -211,8 +212,8 @@ def gpu_mib(pid: int | None) -> float | None:
     """GPU memory the server process holds, from nvidia-smi (None without a GPU)."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                              "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=10).stdout
+                              "--format=csv,noheader,nounits"], check=False,
+                             capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     used = [float(mem) for p, mem in (line.split(",") for line in out.splitlines() if line)
@@ -238,7 +239,8 @@ def summarize(records: list[dict[str, Any]], samples: list[dict[str, Any]], drai
     return {
         "requests": len(records), "served": outcomes["ok"], "outcomes": dict(outcomes),
         "errors_by_kind": errors,
-        "error_examples": {r["outcome"]: r.get("detail") for r in records if r["outcome"] in errors},
+        "error_examples": {r["outcome"]: r.get("detail") for r in records
+                           if r["outcome"] in errors},
         "kinds": dict(Counter(r["kind"] for r in records)),
         "fatal": sum(v for k, v in errors.items() if k.startswith(FATAL)),
         "drained": drained, "windows": windows,
@@ -302,8 +304,8 @@ def start_server(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen,
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "server", "--model", args.model, "--host", "127.0.0.1",
                "--port", str(port), *shlex.split(args.server_args)]
-    log = open(out / "server.log", "w")
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    with open(out / "server.log", "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + args.startup_timeout
     while time.monotonic() < end and proc.poll() is None:

@@ -17,13 +17,14 @@ QUEUE_CAP = 4
 
 @pytest.fixture(scope="module")
 def server(launch):
-    return launch("--max-num-seqs", "2", "--max-queued-requests", str(QUEUE_CAP))
+    return launch("--max-num-seqs", "2", "--max-queued-requests", str(QUEUE_CAP),
+                  "--num-kv-blocks", "1024")
 
 
 def burst(url: str, count: int, seed: int) -> list[httpx.Response]:
     rng = random.Random(seed)
     bodies = [{"prompt": [rng.randrange(50000) for _ in range(rng.randint(1, 30))],
-               "max_tokens": rng.randint(1, 6), "ignore_eos": True} for _ in range(count)]
+               "max_tokens": rng.randint(4, 12), "ignore_eos": True} for _ in range(count)]
 
     async def main() -> list[httpx.Response]:
         async with client(url) as http:

@@ -20,7 +20,8 @@ SHUTDOWN_TIMEOUT = 3
 @pytest.fixture(scope="module")
 def server(launch):
     return launch("--max-prompts-per-request", str(MANY), "--max-queued-requests", str(MANY),
-                  "--max-num-seqs", "32", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT))
+                  "--max-num-seqs", "32", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
+                  "--num-kv-blocks", "1024")
 
 
 def test_a_huge_request_whose_client_hangs_up_does_not_stall_others(server):

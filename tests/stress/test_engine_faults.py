@@ -26,7 +26,7 @@ def ended_with_error(stream: Stream) -> bool:
 
 
 def test_a_failing_step_errors_every_stream_and_turns_health_503(launch):
-    server = launch(module=FAULTY)
+    server = launch("--num-kv-blocks", "1024", module=FAULTY)
 
     async def scenario():
         async with client(server.url) as http:
@@ -44,7 +44,8 @@ def test_a_failing_step_errors_every_stream_and_turns_health_503(launch):
 
 
 def test_a_hung_step_trips_the_watchdog_and_sigterm_still_ends_every_stream(launch):
-    server = launch("--watchdog-timeout", "1", "--shutdown-timeout", "2", module=FAULTY)
+    server = launch("--watchdog-timeout", "1", "--shutdown-timeout", "2",
+                    "--num-kv-blocks", "1024", module=FAULTY)
 
     async def scenario():
         async with client(server.url) as http:

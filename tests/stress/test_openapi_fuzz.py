@@ -13,7 +13,8 @@ PROGRAM = "import sys; from schemathesis.cli import schemathesis; sys.exit(schem
 
 
 def test_no_generated_request_gets_a_5xx(launch, tmp_path):
-    server = launch("--max-model-len", "64", "--max-n", "2")  # bounds a fuzzed request's work
+    # a 64-token context and n <= 2 bound the work any fuzzed completion can ask for
+    server = launch("--max-model-len", "64", "--max-n", "2", "--num-kv-blocks", "1024")
     schema = httpx.get(server.url + "/openapi.json").json()
     # a schema without the body gives fuzzers (and clients) nothing to build requests from
     assert "requestBody" in schema["paths"]["/v1/completions"]["post"]
@@ -23,7 +24,7 @@ def test_no_generated_request_gets_a_5xx(launch, tmp_path):
          "--checks", "not_a_server_error", "--max-examples", "40", "--seed", "12",
          "--workers", "2", "--request-timeout", "60", "--no-color",
          "--report-json-path", str(report)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180)
+        cwd=tmp_path, check=False, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     summary = json.loads(report.read_text())
     assert summary["complete"] and not summary["failures"] and not summary["errors"]
