@@ -2,7 +2,8 @@
 `python -m server` itself (--model), for --minutes, with a mix of workloads: streaming and
 whole completions (several prompts, n > 1, logprobs, shared prefixes), clients that hang up
 mid-stream, and bad inputs that must get a 4xx. Every second it samples /metrics (vLLM
-names: KV-cache usage, running and waiting requests), the server's RSS and its GPU memory.
+names: KV-cache usage, running and waiting requests), and the RSS and GPU memory of the
+server's processes (the API process and the engine core it spawns).
 
 Writes DIR/soak.json (requests served, outcomes, errors by kind, p99 latencies per window,
 memory and block-pool usage over time) and DIR/soak.png. Exits 1 on any 5xx, transport
@@ -159,10 +160,10 @@ class Soak:
 
     async def sample(self, http: httpx.AsyncClient) -> dict[str, Any]:
         text = (await http.get("/metrics")).text
+        pids = await asyncio.to_thread(process_tree, self.pid)
         sample = {"t": time.monotonic() - self.start,
                   **{key: metric_value(text, name) for key, name in GAUGES.items()},
-                  "rss_mib": rss_mib(self.pid),
-                  "gpu_mib": await asyncio.to_thread(gpu_mib, self.pid)}
+                  "rss_mib": rss_mib(pids), "gpu_mib": await asyncio.to_thread(gpu_mib, pids)}
         self.samples.append(sample)
         return sample
 
@@ -200,16 +201,36 @@ def metric_value(text: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def rss_mib(pid: int | None) -> float | None:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:  # no such process here (--url without --pid)
-        return None
-    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+def process_tree(pid: int | None) -> list[int]:
+    """`pid` and its descendants: the API server and its engine-core process."""
+    if pid is None:
+        return []
+    parent_of = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # after the ")" that ends the command name: state, then the parent's pid
+            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    tree = [pid]
+    for member in tree:  # grows while walked: breadth first
+        tree.extend(child for child, parent in parent_of.items() if parent == member)
+    return tree
 
 
-def gpu_mib(pid: int | None) -> float | None:
-    """GPU memory the server process holds, from nvidia-smi (None without a GPU)."""
+def rss_mib(pids: list[int]) -> float | None:
+    """The resident memory of these processes together (None when none is readable here)."""
+    total = None
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total = (total or 0.0) + int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+    return total
+
+
+def gpu_mib(pids: list[int]) -> float | None:
+    """GPU memory these processes hold, from nvidia-smi (None without a GPU)."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
                               "--format=csv,noheader,nounits"], check=False,
@@ -217,7 +238,7 @@ def gpu_mib(pid: int | None) -> float | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     used = [float(mem) for p, mem in (line.split(",") for line in out.splitlines() if line)
-            if int(p) == pid]
+            if int(p) in pids]
     return sum(used) if used else None
 
 
@@ -278,7 +299,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     axes[1].plot(wt, series(windows, "p99_ttft_s"), label="p99 TTFT (streams)")
     axes[1].set_ylabel("seconds")
     st = [s["t"] for s in samples]
-    axes[2].plot(st, series(samples, "rss_mib"), label="server RSS")
+    axes[2].plot(st, series(samples, "rss_mib"), label="server RSS (API + engine core)")
     axes[2].plot(st, series(samples, "gpu_mib"), label="server GPU memory")
     axes[2].set_ylabel("MiB")
     axes[3].plot(st, [s["kv_cache_usage"] for s in samples], label="KV-cache usage (0-1)")

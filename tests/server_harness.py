@@ -51,11 +51,6 @@ class ServerProcess:
             time.sleep(0.2)
         raise RuntimeError(f"server did not become healthy:\n{self.log()}")
 
-    def rss_bytes(self) -> int:
-        """The server process's resident memory (Linux /proc)."""
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
-
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text()
