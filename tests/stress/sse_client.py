@@ -117,5 +117,6 @@ async def sigterm(server: Any, tasks: list[asyncio.Task[Any]], limit: float) -> 
     start = time.monotonic()
     await until(lambda: server.proc.poll() is not None, limit + 10)
     exited = time.monotonic() - start
-    await asyncio.wait(tasks, timeout=5)
+    if tasks:
+        await asyncio.wait(tasks, timeout=5)
     return exited

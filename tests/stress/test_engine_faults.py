@@ -25,8 +25,8 @@ def ended_with_error(stream: Stream) -> bool:
     return stream.status == 200 and stream.error is not None and stream.done
 
 
-def test_a_failing_step_errors_every_stream_and_turns_health_503(launch):
-    server = launch("--num-kv-blocks", "1024", module=FAULTY)
+def test_a_failing_step_errors_every_stream_turns_health_503_and_sigterm_exits(launch):
+    server = launch("--num-kv-blocks", "1024", "--shutdown-timeout", "3", module=FAULTY)
 
     async def scenario():
         async with client(server.url) as http:
@@ -34,13 +34,14 @@ def test_a_failing_step_errors_every_stream_and_turns_health_503(launch):
             poisoned = Stream({"prompt": FAIL_PROMPT, "max_tokens": 4})
             await asyncio.wait_for(poisoned.run(http), 30)
             await asyncio.wait_for(asyncio.gather(*tasks), 30)
-            return streams, poisoned
-    streams, poisoned = asyncio.run(scenario())
-    assert all(ended_with_error(s) for s in streams)
-    assert ended_with_error(poisoned) or poisoned.status == 500
-    assert httpx.get(server.url + "/health").status_code == 503
-    late = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
-    assert late.status_code == 503
+            health = (await http.get("/health")).status_code
+            late = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        return streams, poisoned, health, late.status_code, await sigterm(server, [], 3 + 2)
+    streams, poisoned, health, late, seconds_to_exit = asyncio.run(scenario())
+    assert all(ended_with_error(s) for s in streams), [vars(s) for s in streams][:2]
+    assert ended_with_error(poisoned) or poisoned.status == 500, vars(poisoned)
+    assert health == 503 and late == 503
+    assert seconds_to_exit <= 3 + 2  # a dead engine core must not hold up the shutdown
 
 
 def test_a_hung_step_trips_the_watchdog_and_sigterm_still_ends_every_stream(launch):
