@@ -3,6 +3,7 @@ requests, and reports zero fatal errors, a drained server, memory samples and a 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -15,7 +16,8 @@ def test_a_short_soak_is_clean_and_reports_everything(tiny_checkpoint, tmp_path)
         [sys.executable, "scripts/soak.py", "--minutes", "0.2", "--model", str(tiny_checkpoint),
          "--server-args", server_args, "--concurrency", "8", "--max-prompt-len", "32",
          "--max-tokens", "8", "--out", str(tmp_path)],
-        cwd=ROOT, check=False, capture_output=True, text=True, timeout=240)
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},  # as conftest's servers
+        check=False, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     summary = json.loads((tmp_path / "soak.json").read_text())
     outcomes = summary["outcomes"]
