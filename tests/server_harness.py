@@ -22,11 +22,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, checkpoint: Path, log_path: Path, *flags: str) -> None:
+    def __init__(self, checkpoint: Path, log_path: Path, *flags: str,
+                 module: str = "server") -> None:
+        """`module`: what `python -m` runs; tests/stress/faulty_server.py wraps `server`."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "server", "--model", str(checkpoint),
+        command = [sys.executable, "-m", module, "--model", str(checkpoint),
                    "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                    "--dtype", "float32", "--attention-backend", "torch", "--log-interval",
                    "1", *flags]

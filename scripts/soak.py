@@ -1,0 +1,392 @@
+"""Soak test: hours of mixed traffic in minutes. Drives a running server (--url) or starts
+`python -m server` itself (--model), for --minutes, with a mix of workloads: streaming and
+whole completions (several prompts, n > 1, logprobs, shared prefixes), clients that hang up
+mid-stream, and bad inputs that must get a 4xx. Every second it samples /metrics (vLLM
+names: KV-cache usage, running and waiting requests), and the RSS and GPU memory of the
+server's processes (the API process and the engine core it spawns).
+
+Writes DIR/soak.json (requests served, outcomes, errors by kind, p99 latencies per window,
+memory and block-pool usage over time) and DIR/soak.png. Exits 1 on any 5xx, transport
+error, 4xx on a valid request or lost request (a stream that ended without [DONE], a bad
+input that was served), or when the server does not drain to zero requests and zero
+referenced KV blocks afterwards.
+
+    python scripts/soak.py --minutes 10 --model checkpoints/gpt2-random \\
+        --server-args "--device cuda" --concurrency 64 --out docs/benchmarks/h100/soak
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+GAUGES = {"kv_cache_usage": "vllm:kv_cache_usage_perc",
+          "running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"}
+FATAL = ("5xx", "transport", "lost", "4xx_on_valid_input")  # outcomes that fail the soak
+
+
+def bad_inputs(max_model_len: int) -> list[tuple[str, dict[str, Any]]]:
+    """(name, httpx request kwargs) of inputs the server must refuse with a 4xx."""
+    post = {"method": "POST", "url": "/v1/completions"}
+    return [
+        ("malformed_json", {**post, "content": b'{"prompt": [1, 2'}),
+        ("empty_body", {**post, "content": b""}),
+        ("token_outside_vocab", {**post, "json": {"prompt": [1, 10**9], "max_tokens": 1}}),
+        ("negative_max_tokens", {**post, "json": {"prompt": "x", "max_tokens": -1}}),
+        ("unknown_model", {**post, "json": {"prompt": "x", "model": "no-such-model"}}),
+        ("too_long", {**post, "json": {"prompt": [1] * (max_model_len + 1), "max_tokens": 1}}),
+        ("n_zero", {**post, "json": {"prompt": "x", "n": 0}}),
+        ("wrong_type", {**post, "json": {"prompt": {"a": 1}, "temperature": "hot"}}),
+        ("wrong_method", {"method": "GET", "url": "/v1/completions"}),
+    ]
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, url: str, pid: int | None) -> None:
+        self.args, self.url, self.pid = args, url, pid
+        self.rng = random.Random(args.seed)
+        self.prefixes = [self._tokens(64) for _ in range(4)]  # shared prefixes: cache hits
+        self.bad_requests = bad_inputs(args.max_model_len)
+        self.start = time.monotonic()
+        self.deadline = self.start + args.minutes * 60
+        self.records: list[dict[str, Any]] = []  # one per request
+        self.samples: list[dict[str, Any]] = []  # one per sample interval
+
+    def _tokens(self, count: int) -> list[int]:
+        return [self.rng.randrange(50000) for _ in range(count)]
+
+    def _prompt(self) -> list[int]:
+        length = self.rng.randint(1, self.args.max_prompt_len)
+        if self.rng.random() < 0.3:
+            return self.rng.choice(self.prefixes)[:length] + self._tokens(4)
+        return self._tokens(length)
+
+    def _params(self) -> dict[str, Any]:
+        params: dict[str, Any] = {"max_tokens": self.rng.randint(1, self.args.max_tokens),
+                                  "temperature": self.rng.choice([0, 0, 0.8, 1.0])}
+        if self.rng.random() < 0.5:
+            params["ignore_eos"] = True
+        if self.rng.random() < 0.2:
+            params.update(top_p=0.9, seed=self.rng.randrange(1000))
+        return params
+
+    # ---------------------------------------------------------------- workloads
+    async def worker(self, http: httpx.AsyncClient) -> None:
+        kinds = ["stream", "complete", "disconnect", "bad"]
+        while time.monotonic() < self.deadline:
+            kind = self.rng.choices(kinds, weights=[35, 25, 25, 15])[0]
+            began = time.monotonic()
+            record: dict[str, Any] = {"kind": kind, "ttft": None}
+            try:
+                record["outcome"] = await getattr(self, kind)(http, record, began)
+            except httpx.TransportError as exc:
+                record["outcome"] = f"transport:{type(exc).__name__}"
+            record["t"] = time.monotonic() - self.start
+            record["e2e"] = time.monotonic() - began
+            self.records.append(record)
+
+    async def stream(self, http: httpx.AsyncClient, record: dict[str, Any], began: float,
+                     hang_up_after: int | None = None) -> str:
+        body = {"prompt": self._prompt(), **self._params(), "stream": True}
+        events = 0
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                record["detail"] = (await response.aread()).decode(errors="replace")[:300]
+                return _status_outcome(response.status_code, valid=True)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events += 1
+                if events == 1:
+                    record["ttft"] = time.monotonic() - began
+                if line == "data: [DONE]":
+                    return "ok"
+                if '"error"' in line[:16]:
+                    record["detail"] = line[:300]
+                    return "5xx:stream_error_event"
+                if hang_up_after is not None and events >= hang_up_after:
+                    return "disconnected"
+        return "lost:stream_without_done"
+
+    async def disconnect(self, http: httpx.AsyncClient, record: dict[str, Any],
+                         began: float) -> str:
+        return await self.stream(http, record, began, hang_up_after=self.rng.randint(1, 4))
+
+    async def complete(self, http: httpx.AsyncClient, record: dict[str, Any],
+                       began: float) -> str:
+        prompts = [self._prompt() for _ in range(self.rng.choice([1, 1, 2, 3]))]
+        body = {"prompt": prompts, **self._params(), "n": 1}
+        if body["temperature"] > 0:  # n > 1 choices of a greedy request is a 400
+            body["n"] = self.rng.choice([1, 2])
+        if self.rng.random() < 0.3:
+            body["logprobs"] = 2
+        response = await http.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            record["detail"] = response.text[:300]
+            return _status_outcome(response.status_code, valid=True)
+        choices = response.json()["choices"]
+        if len(choices) != len(prompts) * body["n"]:
+            return "lost:missing_choices"
+        return "ok"
+
+    async def bad(self, http: httpx.AsyncClient, record: dict[str, Any], began: float) -> str:
+        name, request = self.rng.choice(self.bad_requests)
+        record["kind"] = f"bad:{name}"
+        response = await http.request(**request)
+        if 400 <= response.status_code < 500:
+            return "rejected"
+        record["detail"] = response.text[:300]
+        return _status_outcome(response.status_code, valid=False)
+
+    # ----------------------------------------------------------------- sampling
+    async def sampler(self, http: httpx.AsyncClient) -> None:
+        while time.monotonic() < self.deadline:
+            await self.sample(http)
+            await asyncio.sleep(self.args.sample_interval)
+
+    async def sample(self, http: httpx.AsyncClient) -> dict[str, Any]:
+        text = (await http.get("/metrics")).text
+        pids = await asyncio.to_thread(process_tree, self.pid)
+        sample = {"t": time.monotonic() - self.start,
+                  **{key: metric_value(text, name) for key, name in GAUGES.items()},
+                  "rss_mib": rss_mib(pids), "gpu_mib": await asyncio.to_thread(gpu_mib, pids)}
+        self.samples.append(sample)
+        return sample
+
+    async def drained(self, http: httpx.AsyncClient, timeout: float = 60) -> bool:
+        """The server holds no request and no referenced KV block once the traffic stops."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            last = await self.sample(http)
+            if last["running"] == last["waiting"] == last["kv_cache_usage"] == 0:
+                return True
+            await asyncio.sleep(0.5)
+        return False
+
+    async def run(self) -> dict[str, Any]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=self.url, timeout=self.args.request_timeout,
+                                     limits=limits) as http:
+            await asyncio.gather(self.sampler(http),
+                                 *(self.worker(http) for _ in range(self.args.concurrency)))
+            drained = await self.drained(http)
+        return summarize(self.records, self.samples, drained, self.args.window)
+
+
+def _status_outcome(status: int, valid: bool) -> str:
+    if status >= 500:
+        return "busy_503" if status == 503 else f"5xx:{status}"
+    if status >= 400:
+        return f"4xx_on_valid_input:{status}"
+    return "ok" if valid else "lost:bad_input_served"
+
+
+def metric_value(text: str, name: str) -> float:
+    """The first sample of `name` in Prometheus text (0 when absent)."""
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+(\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def process_tree(pid: int | None) -> list[int]:
+    """`pid` and its descendants: the API server and its engine-core process."""
+    if pid is None:
+        return []
+    parent_of = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # after the ")" that ends the command name: state, then the parent's pid
+            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    tree = [pid]
+    for member in tree:  # grows while walked: breadth first
+        tree.extend(child for child, parent in parent_of.items() if parent == member)
+    return tree
+
+
+def rss_mib(pids: list[int]) -> float | None:
+    """The resident memory of these processes together (None when none is readable here)."""
+    total = None
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total = (total or 0.0) + int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+    return total
+
+
+def gpu_mib(pids: list[int]) -> float | None:
+    """GPU memory these processes hold, from nvidia-smi (None without a GPU)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], check=False,
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    used = [float(mem) for p, mem in (line.split(",") for line in out.splitlines() if line)
+            if int(p) in pids]
+    return sum(used) if used else None
+
+
+def summarize(records: list[dict[str, Any]], samples: list[dict[str, Any]], drained: bool,
+              window: float) -> dict[str, Any]:
+    outcomes = Counter(r["outcome"] for r in records)
+    errors = {k: v for k, v in outcomes.items() if k not in ("ok", "rejected", "disconnected")}
+    windows = []
+    for start in np.arange(0, max((r["t"] for r in records), default=0), window):
+        inside = [r for r in records if start <= r["t"] < start + window]
+        ok = [r for r in inside if r["outcome"] == "ok"]
+        ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
+        windows.append({"t": float(start), "requests": len(inside), "ok": len(ok),
+                        "errors": sum(r["outcome"] in errors for r in inside),
+                        "p99_e2e_s": p99([r["e2e"] for r in ok]), "p99_ttft_s": p99(ttfts)})
+    rss = [s["rss_mib"] for s in samples if s["rss_mib"] is not None]
+    gpu = [s["gpu_mib"] for s in samples if s["gpu_mib"] is not None]
+    quarter = max(len(rss) // 4, 1)
+    return {
+        "requests": len(records), "served": outcomes["ok"], "outcomes": dict(outcomes),
+        "errors_by_kind": errors,
+        "error_examples": {r["outcome"]: r.get("detail") for r in records
+                           if r["outcome"] in errors},
+        "kinds": dict(Counter(r["kind"] for r in records)),
+        "fatal": sum(v for k, v in errors.items() if k.startswith(FATAL)),
+        "drained": drained, "windows": windows,
+        "rss_mib": {"first": rss[0], "last": rss[-1], "max": max(rss),
+                    "growth_median_last_vs_first_quarter":
+                        float(np.median(rss[-quarter:]) - np.median(rss[:quarter]))}
+        if rss else None,
+        "gpu_mib": {"first": gpu[0], "last": gpu[-1], "max": max(gpu)} if gpu else None,
+        "kv_cache_usage_max": max((s["kv_cache_usage"] for s in samples), default=0.0),
+        "samples": samples,
+    }
+
+
+def p99(values: list[float]) -> float | None:
+    return float(np.percentile(values, 99)) if values else None
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    windows, samples = summary["windows"], summary["samples"]
+
+    def series(rows: list[dict[str, Any]], key: str) -> list[float]:
+        return [np.nan if row[key] is None else row[key] for row in rows]
+
+    fig, axes = plt.subplots(4, 1, figsize=(10, 12), sharex=True)
+    wt = [w["t"] for w in windows]
+    axes[0].plot(wt, [w["ok"] for w in windows], label="served")
+    axes[0].plot(wt, [w["requests"] for w in windows], label="all requests")
+    axes[0].plot(wt, [w["errors"] for w in windows], label="errors")
+    axes[0].set_ylabel("requests per window")
+    axes[1].plot(wt, series(windows, "p99_e2e_s"), label="p99 end to end")
+    axes[1].plot(wt, series(windows, "p99_ttft_s"), label="p99 TTFT (streams)")
+    axes[1].set_ylabel("seconds")
+    st = [s["t"] for s in samples]
+    axes[2].plot(st, series(samples, "rss_mib"), label="server RSS (API + engine core)")
+    axes[2].plot(st, series(samples, "gpu_mib"), label="server GPU memory")
+    axes[2].set_ylabel("MiB")
+    axes[3].plot(st, [s["kv_cache_usage"] for s in samples], label="KV-cache usage (0-1)")
+    twin = axes[3].twinx()
+    twin.plot(st, [s["running"] for s in samples], "g:", label="running")
+    twin.plot(st, [s["waiting"] for s in samples], "r:", label="waiting")
+    twin.set_ylabel("requests")
+    twin.legend(loc="upper right")
+    axes[3].set_xlabel("seconds since start")
+    for ax in axes:
+        ax.legend(loc="upper left")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"soak: {summary['served']} served, {summary['fatal']} fatal errors, "
+                 f"drained={summary['drained']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def start_server(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "server", "--model", args.model, "--host", "127.0.0.1",
+               "--port", str(port), *shlex.split(args.server_args)]
+    with open(out / "server.log", "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + args.startup_timeout
+    while time.monotonic() < end and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    sys.exit(f"soak: the server did not come up; see {out / 'server.log'}")
+
+
+def stop_server(proc: subprocess.Popen) -> dict[str, Any]:
+    proc.terminate()
+    start = time.monotonic()
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    return {"exit_code": code, "seconds_to_exit": time.monotonic() - start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, required=True)
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="a running server")
+    target.add_argument("--model", help="start `python -m server --model MODEL` here")
+    parser.add_argument("--pid", type=int, help="with --url: the server's pid, for its RSS "
+                        "and GPU memory")
+    parser.add_argument("--server-args", default="", help="more flags for the server started")
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--concurrency", type=int, default=32, help="clients at once")
+    parser.add_argument("--max-prompt-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--request-timeout", type=float, default=300)
+    parser.add_argument("--sample-interval", type=float, default=1.0)
+    parser.add_argument("--window", type=float, help="seconds per latency window "
+                        "(default: a twentieth of the run, at most 30)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("soak-out"))
+    args = parser.parse_args()
+    args.window = args.window or min(30.0, max(1.0, args.minutes * 60 / 20))
+    args.out.mkdir(parents=True, exist_ok=True)
+    proc, url = start_server(args, args.out) if args.model else (None, args.url)
+    try:
+        summary = asyncio.run(Soak(args, url, proc.pid if proc else args.pid).run())
+    finally:
+        shutdown = stop_server(proc) if proc else None
+    summary["shutdown"] = shutdown
+    (args.out / "soak.json").write_text(json.dumps(summary, indent=1))
+    plot(summary, args.out / "soak.png")
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("samples", "windows")},
+                     indent=1))
+    sys.exit(1 if summary["fatal"] or not summary["drained"] else 0)
+
+
+if __name__ == "__main__":
+    main()
