@@ -29,8 +29,9 @@ from engine.output.tokenizer import Tokenizer
 from server.async_engine import SHUTTING_DOWN, AsyncEngine, CoreConnection, RequestFailed
 from server.completions import CompletionService
 from server.metrics import ServerMetrics, ThroughputLog
-from server.protocol import (DetokenizeRequest, Limits, RequestError, TokenizeRequest,
-                             check_tokens_in_vocab, parse_model)
+from server.protocol import (CompletionRequest, DetokenizeRequest, Limits, RequestError,
+                             TokenizeRequest, check_tokens_in_vocab, parse_model,
+                             request_body_schema)
 
 logger = logging.getLogger("gpt2serve")
 ENGINE_STOP_TIMEOUT = 1.0  # seconds the lifespan waits for the engine loop to exit
@@ -115,7 +116,7 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
     tokenizer, limits = service.tokenizer, service.limits
     async_engine = service.engine
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await service.create(request, await read_json_body(request, settings))
 
@@ -138,14 +139,14 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
     async def get_version() -> dict[str, str]:
         return {"version": version()}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body_schema(TokenizeRequest))
     async def tokenize(request: Request) -> dict[str, Any]:
         req = parse_model(TokenizeRequest, await read_json_body(request, settings))
         service.check_model(req.model)
         tokens = service.encode(req.prompt)
         return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body_schema(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:
         req = parse_model(DetokenizeRequest, await read_json_body(request, settings))
         service.check_model(req.model)

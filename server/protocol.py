@@ -122,6 +122,26 @@ def validation_error_to_request_error(err: ValidationError) -> RequestError:
     return RequestError(message, param=param)
 
 
+def request_body_schema(model_cls: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI's requestBody for a route that parses its body by hand (`parse_model`), so
+    clients and schema fuzzers see its fields. Nested models are inlined: the schema stands
+    alone, outside the document's components."""
+    schema = model_cls.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(value) for value in node]
+        return node
+
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 def parse_model(model_cls: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_json")
