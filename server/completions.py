@@ -18,7 +18,10 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.core.batch import TokenLogprobs
+from engine.core.request import SamplingParams
 from engine.output.outputs import CompletionOutput, RequestOutput
+from engine.output.tokenizer import Tokenizer
 from server.async_engine import AsyncEngine, ClientDisconnected, Generation, RequestFailed
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, Limits, RequestError, Usage, finite_logprob,
@@ -33,7 +36,7 @@ def sse_event(payload: Any) -> bytes:
 
 
 class CompletionService:
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str,
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                  limits: Limits) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -69,7 +72,7 @@ class CompletionService:
         except ValueError as exc:
             raise RequestError(f"prompt could not be used: {exc}", param="prompt") from None
 
-    def _sampling_params(self, req: CompletionRequest) -> Any:
+    def _sampling_params(self, req: CompletionRequest) -> SamplingParams:
         try:
             return to_sampling_params(req, self.limits.vocab_size)
         except ValueError as exc:  # SamplingParams names the field first
@@ -177,7 +180,8 @@ class _Reply:
                                                         choice.logprobs, len(prefix)),
                                 finish_reason=choice.finish_reason)
 
-    def _delta_choice(self, prompt_index: int, choice: CompletionOutput) -> Any:
+    def _delta_choice(self, prompt_index: int,
+                      choice: CompletionOutput) -> CompletionChoice | None:
         """The chunk for what this step added to one choice, or None if nothing to send."""
         index = prompt_index * self.n + choice.index
         finishing = choice.finished and index not in self.finish_sent
@@ -198,7 +202,7 @@ class _Reply:
         self.echoed.add(index)
         return self.service.tokenizer.decode(self.prompts[prompt_index])
 
-    def _logprobs(self, index: int, token_ids: list[int], logprobs: list[Any] | None,
+    def _logprobs(self, index: int, token_ids: list[int], logprobs: list[TokenLogprobs | None] | None,
                   skip: int) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
             return None
@@ -215,7 +219,7 @@ class _Reply:
         self.text_offsets[index] = offset
         return result
 
-    def _top(self, entry: Any, sampled_text: str) -> dict[str, float]:
+    def _top(self, entry: TokenLogprobs, sampled_text: str) -> dict[str, float]:
         top = {self.service.token_text(t): finite_logprob(lp)
                for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
         top.setdefault(sampled_text, finite_logprob(entry.token_logprob))

@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.core.messages import ENGINE_COUNTERS, SpecCounts
+from engine.core.messages import ENGINE_COUNTERS, EngineStats, SpecCounts
 from engine.output.outputs import RequestMetrics, RequestOutput
 
 PREFIX = "vllm:"
@@ -112,7 +112,7 @@ class ServerMetrics:
         if timing.finish_time is not None:
             self.e2e.observe(timing.finish_time - timing.arrival_time)
 
-    def observe_stats(self, stats: Any) -> None:
+    def observe_stats(self, stats: EngineStats) -> None:
         """Gauges from the engine's snapshot; its cumulative counts become increments."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
@@ -169,7 +169,7 @@ class ThroughputLog:
         self.metrics = metrics
         self._last = (time.monotonic(), 0, 0)
 
-    def line(self, stats: Any, server_waiting: int, step_age: float) -> str:
+    def line(self, stats: EngineStats, server_waiting: int, step_age: float) -> str:
         now = time.monotonic()
         prompt, generation = (self.metrics.total_prompt_tokens,
                               self.metrics.total_generation_tokens)
