@@ -27,7 +27,7 @@ from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig
                                 EngineConfig, ModelConfig, SchedulerConfig, flat_field_names,
                                 load_config)
 from server.app import ServerSettings, create_app, version
-from server.engine_process import EngineProcess
+from server.engine_process import EngineProcess, tune_gc
 
 logger = logging.getLogger("gpt2serve")
 CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         log_interval=args.log_interval, watchdog_timeout=args.watchdog_timeout,
         shutdown_timeout=args.shutdown_timeout, enable_docs=not args.disable_fastapi_docs)
     app = create_app(core, settings)
+    tune_gc()
     # uvicorn waits a little past the timeout: the app ends open streams at the timeout
     # itself, and they need a moment to send their error event and [DONE]
     server_config = uvicorn.Config(

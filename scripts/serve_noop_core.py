@@ -1,0 +1,28 @@
+"""`python scripts/serve_noop_core.py SERVER_ARGS`: the server, with bench_host's NoOpRunner in
+its engine core, so a load test measures the API process alone (no GPU needed):
+
+    python scripts/serve_noop_core.py --model checkpoints/gpt2-random --device cpu \\
+        --num-kv-blocks 40000 --max-queued-requests 100000 --port 8555 &
+    gpt2-bench --base-url http://127.0.0.1:8555 --num-prompts 600 --input-len 128 \\
+        --output-len 128 --num-workers 2
+
+The engine core process is spawned, so it runs this file first too (as __mp_main__): the swap
+below happens there as well.
+"""
+from __future__ import annotations
+
+from bench_host import NoOpRunner
+
+from engine.worker import model_runner
+from server.__main__ import main
+
+
+class _NamedNoOpRunner(NoOpRunner):
+    """What the engine process reports at startup, beside NoOpRunner's work."""
+    device, dtype, attention_backend = "none", "none", "none"
+
+
+if __name__ in ("__main__", "__mp_main__"):
+    model_runner.ModelRunner = _NamedNoOpRunner
+if __name__ == "__main__":
+    main()
