@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.output.tokenizer import Tokenizer
-from server.async_engine import SHUTTING_DOWN, AsyncEngine, CoreConnection, RequestFailed
+from server.async_engine import AsyncEngine, CoreConnection, RequestFailed, shutting_down
 from server.completions import CompletionService
 from server.metrics import ServerMetrics, ThroughputLog
 from server.protocol import (CompletionRequest, DetokenizeRequest, Limits, RequestError,
@@ -99,7 +99,7 @@ def _begin_shutdown(async_engine: AsyncEngine, timeout: float) -> None:
     """SIGTERM arrived (on the event loop): in-flight requests get `timeout` seconds, then
     whatever is still open ends with a 503 error (an SSE error event and [DONE])."""
     logger.info("shutting down: open requests get %.1f s to finish", timeout)
-    asyncio.get_running_loop().call_later(timeout, async_engine.fail_open, SHUTTING_DOWN)
+    asyncio.get_running_loop().call_later(timeout, async_engine.fail_open, shutting_down)
 
 
 async def _log_throughput(log: ThroughputLog, async_engine: AsyncEngine,

@@ -57,8 +57,10 @@ class RequestFailed(RuntimeError):
         self.error = RequestError(message, code=code, status=status, err_type=err_type)
 
 
-SHUTTING_DOWN = RequestFailed("the server is shutting down", status=503,
-                              code="server_shutting_down")
+def shutting_down() -> RequestFailed:
+    """A fresh one each time: one exception object raised in many tasks would share (and
+    grow) one traceback."""
+    return RequestFailed("the server is shutting down", status=503, code="server_shutting_down")
 
 
 class ClientDisconnected(Exception):
@@ -178,7 +180,7 @@ class AsyncEngine:
         a wedged core must not keep the process alive."""
         self._accepting = False
         await self.connection.stop(timeout)
-        self.fail_open(SHUTTING_DOWN)
+        self.fail_open(shutting_down)
 
     def generate(self, request_id: str, prompts: list[list[int]],
                  params: SamplingParams) -> Generation:
@@ -221,12 +223,12 @@ class AsyncEngine:
         if seq_ids:
             self.connection.send(AbortSequences(seq_ids))
 
-    def fail_open(self, failure: RequestFailed) -> None:
-        """End every open request now with `failure` (a dead core, or the shutdown deadline
-        passed): a stream sends an error event and [DONE] instead of being cut off."""
+    def fail_open(self, failure: Callable[[], RequestFailed]) -> None:
+        """End every open request now with a `failure()` each (a dead core, or the shutdown
+        deadline passed): a stream sends an error event and [DONE] instead of being cut off."""
         generations = {generation for generation, _ in self._routes.values()}
         for generation in generations:
-            generation.on_failure(failure)
+            generation.on_failure(failure())
             generation.close()
 
     # ---- messages from the core, on the event loop ----
@@ -238,7 +240,7 @@ class AsyncEngine:
         elif isinstance(message, CoreFailed):
             logger.error("%s", message.message)
             self._accepting = False
-            self.fail_open(RequestFailed(message.message))
+            self.fail_open(lambda: RequestFailed(message.message))
 
     def _on_step(self, step: StepOutput) -> None:
         self._last_progress = time.monotonic()
