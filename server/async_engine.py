@@ -146,7 +146,6 @@ class AsyncEngine:
                  observe_output: Callable[[RequestOutput, bool], None] = lambda o, f: None,
                  observe_stats: Callable[[EngineStats], None] = lambda s: None) -> None:
         self.connection = connection
-        self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer)
         self.max_queued_requests = max_queued_requests
         self.watchdog_timeout = watchdog_timeout
