@@ -91,20 +91,23 @@ async def _cancel_on_disconnect(http_request: Request, generation: Generation) -
 def merge_deltas(ready: list[tuple[int, RequestOutput]]) -> list[tuple[int, CompletionOutput]]:
     """Per (prompt, choice), everything these outputs added, as one delta: a stream that fell
     behind sends one chunk per choice, not one per engine step."""
-    merged: dict[tuple[int, int], CompletionOutput] = {}
+    steps: dict[tuple[int, int], list[CompletionOutput]] = {}
     for prompt_index, output in ready:
         for choice in output.outputs:
-            key = (prompt_index, choice.index)
-            seen = merged.get(key)
-            if seen is None:
-                merged[key] = choice
-                continue
-            logprobs = None if seen.delta_logprobs is None and choice.delta_logprobs is None \
-                else (seen.delta_logprobs or []) + (choice.delta_logprobs or [])
-            merged[key] = replace(choice, delta_text=seen.delta_text + choice.delta_text,
-                                  delta_token_ids=seen.delta_token_ids + choice.delta_token_ids,
-                                  delta_logprobs=logprobs)
-    return [(prompt_index, choice) for (prompt_index, _), choice in merged.items()]
+            steps.setdefault((prompt_index, choice.index), []).append(choice)
+    return [(prompt_index, _joined(choices)) for (prompt_index, _), choices in steps.items()]
+
+
+def _joined(choices: list[CompletionOutput]) -> CompletionOutput:
+    """The latest state of a choice, with the deltas of all these steps."""
+    last = choices[-1]
+    if len(choices) == 1:
+        return last
+    logprobs = None if all(c.delta_logprobs is None for c in choices) else \
+        [entry for c in choices for entry in c.delta_logprobs or ()]
+    return replace(last, delta_text="".join(c.delta_text for c in choices),
+                   delta_token_ids=[t for c in choices for t in c.delta_token_ids],
+                   delta_logprobs=logprobs)
 
 
 def _finish(generation: Generation, watcher: asyncio.Task[None]) -> None:

@@ -6,11 +6,12 @@ import math
 
 import pytest
 
+from engine.output.outputs import CompletionOutput, RequestOutput
 from server.metrics import ServerMetrics, one_two_five_buckets
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionResponse, Limits,
                              RequestError, finite_logprob, parse_completion_request,
                              parse_prompt, to_sampling_params)
-from server.completions import sse_event
+from server.completions import merge_deltas, sse_event
 
 LIMITS = Limits(vocab_size=50257, max_model_len=1024, max_n=16)
 
@@ -160,3 +161,19 @@ def test_metric_names_are_vllm_compatible():
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
         assert f'{name}' in text and 'model_name="m"' in text, name
     assert "vllm:request_success" in text
+
+
+def test_outputs_of_several_steps_merge_into_one_delta_per_choice():
+    def output(choices):
+        return RequestOutput("r", None, [1], choices, [])
+
+    a1 = CompletionOutput(0, "He", [5], delta_text="He", delta_token_ids=[5])
+    b1 = CompletionOutput(1, "X", [9], delta_text="X", delta_token_ids=[9])
+    a2 = CompletionOutput(0, "Hello", [5, 6], delta_text="llo", delta_token_ids=[6],
+                          finish_reason="length")
+    merged = dict(((p, c.index), c) for p, c in merge_deltas(
+        [(0, output([a1, b1])), (0, output([a2])), (1, output([a1]))]))
+    assert set(merged) == {(0, 0), (0, 1), (1, 0)}
+    assert (merged[0, 0].delta_text, merged[0, 0].delta_token_ids) == ("Hello", [5, 6])
+    assert merged[0, 0].finish_reason == "length" and merged[0, 0].delta_logprobs is None
+    assert merged[0, 1] is b1 and merged[1, 0] is a1

@@ -45,10 +45,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # all n choices, by index
     metrics: list[RequestMetrics]  # one per choice
     error: str | None = None  # set when the request failed inside the engine
+    finished: bool = field(init=False)  # every choice finished; read several times per step
 
-    @property
-    def finished(self) -> bool:
-        return all(o.finished for o in self.outputs)
+    def __post_init__(self) -> None:
+        self.finished = all(o.finished for o in self.outputs)
 
     # single-choice conveniences
     @property
