@@ -27,7 +27,7 @@ from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig
                                 EngineConfig, ModelConfig, SchedulerConfig, flat_field_names,
                                 load_config)
 from server.app import ServerSettings, create_app, version
-from server.engine_process import EngineProcess, tune_gc
+from server.engine_process import LOG_FORMAT, EngineProcess, tune_gc
 
 logger = logging.getLogger("gpt2serve")
 CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -177,8 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-queued-requests, --max-n and --max-prompts-per-request must be >= 1")
     if args.shutdown_timeout < 0 or args.watchdog_timeout <= 0:
         parser.error("--shutdown-timeout must be >= 0 and --watchdog-timeout > 0")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         config = engine_config_from_args(args)
         core = EngineProcess(config)

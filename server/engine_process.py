@@ -34,6 +34,7 @@ from engine.core.messages import CoreFailed, FromCore, ToCore
 from server.async_engine import stop_core
 
 PARENT_CHECK_MS = 1000  # how often an idle core looks for its parent
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # both processes log alike
 SEND_TIMEOUT_MS = 1000  # a live core drains its inbox between steps; longer means it is stuck
 logger = logging.getLogger("gpt2serve.engine")
 
@@ -90,7 +91,8 @@ class EngineProcess:
         report, child_report = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_core_main, name="engine-core", daemon=True,
-            args=(config, self._to_core, self._from_core, child_report, os.getpid()))
+            args=(config, self._to_core, self._from_core, child_report, os.getpid(),
+                  logging.getLogger().level))
         self._process.start()
         child_report.close()
         self.info = self._wait_ready(report)
@@ -167,8 +169,9 @@ class EngineProcess:
 # ---- the child process ----
 
 def _core_main(config: EngineConfig, to_core: str, from_core: str, report: Connection,
-               parent_pid: int) -> None:
+               parent_pid: int, log_level: int) -> None:
     _die_with_parent()
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)  # a spawned process starts bare
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from engine.core.engine_core import EngineCore, run_core_loop  # torch: in the child only
 

@@ -104,3 +104,11 @@ def test_the_engine_core_dies_with_the_server(tiny_checkpoint, tmp_path):
     server.proc.kill()  # no shutdown handler runs
     server.proc.wait()
     assert wait_for(lambda: not is_running(pid), timeout=10)
+
+
+def test_the_engine_core_logs_its_startup_phases_beside_the_server(server):
+    """The spawned core configures its own logging: without it, its lines (and a crash's
+    traceback) would go nowhere."""
+    log = server.log()
+    assert re.search(r"engine\.worker\.model_runner: loaded .* in \d+\.\d s", log)
+    assert re.search(r"KV cache: 128 blocks .* sized in \d+\.\d s", log)

@@ -75,12 +75,15 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
+        start = time.perf_counter()
         model_dir, model_config = find_checkpoint(config.model.model)
         ops = ops_for(self.attention_backend, model_config.linear_shapes, config, self.dtype,
                       self.device)
         self.model = load_gpt2(model_dir, model_config, self.dtype, self.device, ops,
                                get_attention_backend(self.attention_backend))
         self.sampler = Sampler(config.model.seed, self.model.ops.sample)
+        log.info("loaded %s (%s, %s, %s attention) with its kernels in %.1f s", model_dir,
+                 self.device, self.dtype, self.attention_backend, time.perf_counter() - start)
         # captured once the KV cache exists
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
@@ -92,12 +95,14 @@ class ModelRunner:
         self.max_drafts = spec.num_speculative_tokens if spec else 0
         self.max_sample_rows = config.scheduler.max_num_seqs * (self.max_drafts + 1)
         self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
+        start = time.perf_counter()
         self.num_kv_blocks = config.cache.num_kv_blocks or self._num_blocks_that_fit()
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB); %.1f requests fit at the full "
-                 "%d-token context", self.num_kv_blocks, self.block_size,
+                 "%d-token context; sized in %.1f s", self.num_kv_blocks, self.block_size,
                  self.num_kv_blocks * self.kv_block_bytes / 2**30,
-                 self.num_kv_blocks / self.max_blocks_per_seq, config.scheduler.max_model_len)
+                 self.num_kv_blocks / self.max_blocks_per_seq, config.scheduler.max_model_len,
+                 time.perf_counter() - start)
         if self._uses_graphs:
             self._capture_graphs()
 
