@@ -85,3 +85,13 @@ def test_step_times_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
         StepTimes(**{"batch_sizes": BATCHES, "plain": PLAIN, "speculative": {2: PLAIN},
                      **kwargs})
+
+
+def test_a_switched_off_speculator_probes_now_and_then_and_relearns():
+    switch = SpeculationSwitch(TIMES, acceptance=AcceptanceEstimate(0.0, 10.0), probe_every=8)
+    choices = [switch.choose(1) for _ in range(16)]
+    assert choices == [0] * 7 + [2] + [0] * 7 + [2]  # off, but the shortest k every 8th step
+    assert [switch.choose(128) for _ in range(8)] == [0] * 8  # nothing could win: no probe
+    for _ in range(50):
+        switch.observe(2, 2)  # the probes' drafts are accepted: the workload changed
+    assert switch.choose(1) > 0 and switch.k > 0

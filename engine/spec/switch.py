@@ -76,12 +76,19 @@ class AcceptanceEstimate:
 
 
 class SpeculationSwitch:
+    """While off, no row is verified, so the acceptance estimate would freeze where it turned
+    speculation off; every `probe_every` steps off, one step drafts the shortest k anyway
+    (where full acceptance could win at this batch size), so a workload that turns
+    repetitive is noticed. A probe costs at most one verification step in `probe_every`."""
+
     def __init__(self, times: StepTimes, hysteresis: float = 0.05,
-                 acceptance: AcceptanceEstimate | None = None) -> None:
+                 acceptance: AcceptanceEstimate | None = None, probe_every: int = 128) -> None:
         self.times = times
         self.hysteresis = hysteresis  # a switch needs a margin this large: no flapping
         self.acceptance = acceptance or AcceptanceEstimate()
+        self.probe_every = probe_every
         self.k = 0  # off until speculation wins by the margin
+        self._steps_off = 0
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts:
@@ -97,4 +104,14 @@ class SpeculationSwitch:
         # on: stay on unless plain wins by the margin; off: switch on only when it wins by it
         margin = 1.0 / (1.0 + self.hysteresis) if self.k else 1.0 + self.hysteresis
         self.k = best_k if best_rate > plain_rate * margin else 0
+        self._steps_off = 0 if self.k else self._steps_off + 1
+        if self._steps_off and self._steps_off % self.probe_every == 0:
+            return self._probe_k(batch_size, plain_rate)
         return self.k
+
+    def _probe_k(self, batch_size: int, plain_rate: float) -> int:
+        """The shortest k that would win if every draft were accepted; 0 if none would."""
+        times = self.times
+        return min((k for k, series in times.speculative.items()
+                    if expected_tokens(1.0, k) / times.at(series, batch_size) > plain_rate),
+                   default=0)
