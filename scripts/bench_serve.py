@@ -17,14 +17,13 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import torch
 
 from bench_utils import ROOT, checkpoint_for, device_info, write_result
 from bench_offline import random_prompts, run_engine
+from launch import launch_server, stop_server
 from engine import LLM
 
 
@@ -40,27 +39,10 @@ def offline(checkpoint: str, preset: Path, args: argparse.Namespace) -> dict:
             1e3 * single["seconds"] / args.output_len}
 
 
-def start_server(checkpoint: str, preset: Path, model: str, port: int, log: Path):
-    command = [sys.executable, "-m", "server", "--model", checkpoint, "--config", str(preset),
-               "--served-model-name", model, "--port", str(port), "--host", "127.0.0.1",
-               "--max-queued-requests", "100000", "--log-interval", "5"]
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server did not become ready; see {log}")
-
-
-def bench(port: int, out: Path, name: str, *flags: str) -> dict:
+def bench(url: str, out: Path, name: str, *flags: str) -> dict:
     result = out / f"serve_{name}.json"
-    subprocess.run([sys.executable, "-m", "server.bench.cli", "--base-url",
-                    f"http://127.0.0.1:{port}", "--disable-tqdm", "--percentiles", "50,99",
+    subprocess.run([sys.executable, "-m", "server.bench.cli", "--base-url", url,
+                    "--disable-tqdm", "--percentiles", "50,99",
                     "--result-file", str(result), *flags], cwd=ROOT, check=True)
     return json.loads(result.read_text())
 
@@ -75,7 +57,6 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=4)
     parser.add_argument("--sweep-rates", default="10,40,160,640,inf")
     parser.add_argument("--sweep-prompts", type=int, default=200, help="requests per rate")
-    parser.add_argument("--port", type=int, default=8321)
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -85,25 +66,26 @@ def main() -> None:
     info = device_info()
     ours = offline(checkpoint, preset, args)
     shape = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-    server = start_server(checkpoint, preset, args.model, args.port,
-                          out / f"serve_{args.model}_server.log")
+    server, url = launch_server(
+        ["--model", checkpoint, "--config", str(preset), "--served-model-name", args.model,
+         "--max-queued-requests", "100000", "--log-interval", "5"],
+        out / f"serve_{args.model}_server.log")
     try:
         runs = {
-            "burst": bench(args.port, out, f"{args.model}_burst", *shape, "--num-prompts",
+            "burst": bench(url, out, f"{args.model}_burst", *shape, "--num-prompts",
                            str(args.num_prompts), "--num-workers", str(args.num_workers),
                            "--seed", "11"),
-            "rate20": bench(args.port, out, f"{args.model}_rate20", *shape, "--num-prompts",
+            "rate20": bench(url, out, f"{args.model}_rate20", *shape, "--num-prompts",
                             "200", "--request-rate", "20", "--seed", "12"),
-            "single": bench(args.port, out, f"{args.model}_single", *shape, "--num-prompts",
+            "single": bench(url, out, f"{args.model}_single", *shape, "--num-prompts",
                             "20", "--max-concurrency", "1", "--seed", "13"),
-            "sweep": bench(args.port, out, f"{args.model}_sweep", *shape, "--num-prompts",
+            "sweep": bench(url, out, f"{args.model}_sweep", *shape, "--num-prompts",
                            str(args.sweep_prompts), "--sweep-rates", args.sweep_rates,
                            "--num-workers", str(args.num_workers), "--seed", "14",
                            "--plot", str(out / f"serve_{args.model}_sweep.png")),
         }
     finally:
-        server.terminate()
-        server.wait(60)
+        stop_server(server)
     burst = runs["burst"]["runs"][0]
     result = {**info, "args": vars(args), "offline": ours, "served": runs,
               "served_to_offline": burst["output_throughput"]

@@ -22,7 +22,6 @@ import json
 import random
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -32,8 +31,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+from launch import launch_server, stop_server
 
-ROOT = Path(__file__).resolve().parents[1]
 GAUGES = {"kv_cache_usage": "vllm:kv_cache_usage_perc",
           "running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting"}
 FATAL = ("5xx", "transport", "lost", "4xx_on_valid_input")  # outcomes that fail the soak
@@ -319,38 +318,6 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def start_server(args: argparse.Namespace, out: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "server", "--model", args.model, "--host", "127.0.0.1",
-               "--port", str(port), *shlex.split(args.server_args)]
-    with open(out / "server.log", "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + args.startup_timeout
-    while time.monotonic() < end and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    sys.exit(f"soak: the server did not come up; see {out / 'server.log'}")
-
-
-def stop_server(proc: subprocess.Popen) -> dict[str, Any]:
-    proc.terminate()
-    start = time.monotonic()
-    try:
-        code = proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = proc.wait()
-    return {"exit_code": code, "seconds_to_exit": time.monotonic() - start}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -375,7 +342,9 @@ def main() -> None:
     args = parser.parse_args()
     args.window = args.window or min(30.0, max(1.0, args.minutes * 60 / 20))
     args.out.mkdir(parents=True, exist_ok=True)
-    proc, url = start_server(args, args.out) if args.model else (None, args.url)
+    proc, url = (launch_server(["--model", args.model, *shlex.split(args.server_args)],
+                               args.out / "server.log", args.startup_timeout)
+                 if args.model else (None, args.url))
     try:
         summary = asyncio.run(Soak(args, url, proc.pid if proc else args.pid).run())
     finally:

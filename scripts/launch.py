@@ -1,0 +1,49 @@
+"""Start `python -m server` for a benchmark or a soak, and stop it: shared by bench_serve.py
+and soak.py (tests start theirs with tests/server_harness.py)."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch_server(flags: list[str], log_path: Path,
+                  timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """`python -m server FLAGS` on a free local port, logging to log_path; returns once
+    /health answers 200, or exits naming the log."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
+               *flags]
+    with open(log_path, "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    sys.exit(f"the server did not come up; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> dict[str, float | int]:
+    """SIGTERM, and how long the server took to exit (killed after 120 s)."""
+    proc.terminate()
+    start = time.monotonic()
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    return {"exit_code": code, "seconds_to_exit": time.monotonic() - start}
