@@ -81,7 +81,6 @@ class Generation:
 
     def __init__(self, owner: AsyncEngine, request_ids: list[str], n: int) -> None:
         self._owner = owner
-        self.request_ids = request_ids
         self._n = n  # sequences per engine request, each counted against the queue cap
         self._ready: Ready = []
         self._wakeup = asyncio.Event()
