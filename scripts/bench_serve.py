@@ -5,7 +5,8 @@ the HTTP server (its engine core in its own process) driven by `gpt2-bench`.
 
 1. offline: N random prompts (input-len in, output-len out, ignore_eos) and one single stream
 2. the server with the model's preset, then gpt2-bench runs:
-     burst    N requests at once (the saturation figure: served_to_offline)
+     burst    N requests at once (the saturation figure: served_to_offline), once per
+              --api-server-counts (a server started for each)
      rate20   20 requests/s (TTFT and ITL p99 at low load)
      single   one request at a time (median ITL against offline single-stream decode)
      sweep    --sweep-rates, distinct prompts per rate, with a PNG when matplotlib is there
@@ -47,6 +48,20 @@ def bench(url: str, out: Path, name: str, *flags: str) -> dict:
     return json.loads(result.read_text())
 
 
+def low_load_runs(url: str, out: Path, name: str, args: argparse.Namespace,
+                  shape: list[str]) -> dict:
+    return {
+        "rate20": bench(url, out, f"{name}_rate20", *shape, "--num-prompts", "200",
+                        "--request-rate", "20", "--seed", "12"),
+        "single": bench(url, out, f"{name}_single", *shape, "--num-prompts", "20",
+                        "--max-concurrency", "1", "--seed", "13"),
+        "sweep": bench(url, out, f"{name}_sweep", *shape, "--num-prompts",
+                       str(args.sweep_prompts), "--sweep-rates", args.sweep_rates,
+                       "--num-workers", str(args.num_workers), "--seed", "14",
+                       "--plot", str(out / f"serve_{name}_sweep.png")),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,6 +70,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-workers", type=int, default=4)
+    parser.add_argument("--api-server-counts", default="1,4",
+                        help="a burst per count (server --api-server-count); the last count "
+                        "also runs rate20, single and the sweep")
     parser.add_argument("--sweep-rates", default="10,40,160,640,inf")
     parser.add_argument("--sweep-prompts", type=int, default=200, help="requests per rate")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
@@ -66,37 +84,39 @@ def main() -> None:
     info = device_info()
     ours = offline(checkpoint, preset, args)
     shape = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-    server, url = launch_server(
-        ["--model", checkpoint, "--config", str(preset), "--served-model-name", args.model,
-         "--max-queued-requests", "100000", "--log-interval", "5"],
-        out / f"serve_{args.model}_server.log")
-    try:
-        runs = {
-            "burst": bench(url, out, f"{args.model}_burst", *shape, "--num-prompts",
-                           str(args.num_prompts), "--num-workers", str(args.num_workers),
-                           "--seed", "11"),
-            "rate20": bench(url, out, f"{args.model}_rate20", *shape, "--num-prompts",
-                            "200", "--request-rate", "20", "--seed", "12"),
-            "single": bench(url, out, f"{args.model}_single", *shape, "--num-prompts",
-                            "20", "--max-concurrency", "1", "--seed", "13"),
-            "sweep": bench(url, out, f"{args.model}_sweep", *shape, "--num-prompts",
-                           str(args.sweep_prompts), "--sweep-rates", args.sweep_rates,
-                           "--num-workers", str(args.num_workers), "--seed", "14",
-                           "--plot", str(out / f"serve_{args.model}_sweep.png")),
-        }
-    finally:
-        stop_server(server)
+    counts = [int(count) for count in args.api_server_counts.split(",")]
+    bursts = {}
+    for count in counts:  # the last count also runs the low-load and sweep benchmarks
+        server, url = launch_server(
+            ["--model", checkpoint, "--config", str(preset), "--served-model-name", args.model,
+             "--max-queued-requests", "100000", "--log-interval", "5",
+             "--api-server-count", str(count)],
+            out / f"serve_{args.model}_api{count}_server.log")
+        name = f"{args.model}_api{count}"
+        try:
+            bursts[count] = bench(url, out, f"{name}_burst", *shape,
+                                  "--num-prompts", str(args.num_prompts), "--num-workers",
+                                  str(args.num_workers), "--seed", "11")
+            if count == counts[-1]:
+                runs = {"burst": bursts[count], **low_load_runs(url, out, name, args, shape)}
+        finally:
+            stop_server(server)
     burst = runs["burst"]["runs"][0]
+    offline_rate = ours["burst"]["output_tok_per_s"]
     result = {**info, "args": vars(args), "offline": ours, "served": runs,
-              "served_to_offline": burst["output_throughput"]
-              / ours["burst"]["output_tok_per_s"],
+              "served_to_offline": burst["output_throughput"] / offline_rate,
+              "served_to_offline_by_api_server_count": {
+                  count: run["runs"][0]["output_throughput"] / offline_rate
+                  for count, run in bursts.items()},
               "single_itl_median_minus_offline_ms": runs["single"]["runs"][0]["median_itl_ms"]
               - ours["single_stream_ms_per_token"]}
     write_result(f"serve_{args.model}", result, out_dir=out)
-    print(f"{args.model}: served {burst['output_throughput']:.0f} out tok/s, offline "
-          f"{ours['burst']['output_tok_per_s']:.0f}: served_to_offline "
-          f"{result['served_to_offline']:.2f}; failed {burst['failed']}; client CPU "
-          f"{burst.get('client_cpu_percent')}")
+    for count, run in bursts.items():
+        summary = run["runs"][0]
+        print(f"{args.model} with {count} API server(s): served "
+              f"{summary['output_throughput']:.0f} out tok/s, offline {offline_rate:.0f}: "
+              f"served_to_offline {summary['output_throughput'] / offline_rate:.2f}; failed "
+              f"{summary['failed']}; client CPU {summary.get('client_cpu_percent')}")
 
 
 if __name__ == "__main__":

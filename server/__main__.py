@@ -10,24 +10,21 @@ SIGTERM stops accepting connections, lets in-flight requests finish for up to
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import logging
-import socket
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
-
-import uvicorn
 
 from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig, ConfigError,
                                 EngineConfig, ModelConfig, SchedulerConfig, flat_field_names,
                                 load_config)
 from server.app import ServerSettings, create_app, version
-from server.engine_process import LOG_FORMAT, EngineProcess, tune_gc
+from server.api_servers import ApiServerOptions, listening_socket, run_api_servers
+from server.core_client import CoreClient
+from server.engine_process import LOG_FORMAT, EngineProcess
+from server.http_server import serve_app
 
 logger = logging.getLogger("gpt2serve")
 CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -103,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--disable-fastapi-docs", action="store_true",
                         help="do not serve /openapi.json and /docs")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="API server processes in front of the one engine core; more "
+                        "than one when a single process cannot stream as fast as the engine "
+                        "generates (vLLM's flag)")
     parser.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between throughput log lines (0: off)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
@@ -156,7 +157,7 @@ def _log_startup(core: EngineProcess, config: EngineConfig, args: argparse.Names
                  model_name: str) -> None:
     model, cache, sched, info = config.model, config.cache, config.scheduler, core.info
     logger.info("gpt2-serve %s: serving %s as %r on http://%s:%d (engine core: pid %s)",
-                version(), model.model, model_name, args.host, args.port, core.pid)
+                version(), model.model, model_name, args.host, args.port, core.info.pid)
     logger.info("model: device=%s dtype=%s attention=%s enforce_eager=%s", info.device,
                 info.dtype, info.attention_backend, model.enforce_eager)
     logger.info("kv cache: %d blocks x %d tokens, prefix caching %s", info.num_kv_blocks,
@@ -173,14 +174,18 @@ def _log_startup(core: EngineProcess, config: EngineConfig, args: argparse.Names
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if min(args.max_queued_requests, args.max_n, args.max_prompts_per_request) < 1:
-        parser.error("--max-queued-requests, --max-n and --max-prompts-per-request must be >= 1")
+    if min(args.max_queued_requests, args.max_n, args.max_prompts_per_request,
+           args.api_server_count) < 1:
+        parser.error("--max-queued-requests, --max-n, --max-prompts-per-request and "
+                     "--api-server-count must be >= 1")
     if args.shutdown_timeout < 0 or args.watchdog_timeout <= 0:
         parser.error("--shutdown-timeout must be >= 0 and --watchdog-timeout > 0")
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         config = engine_config_from_args(args)
-        core = EngineProcess(config)
+        # several API servers share one socket: bound first, so a busy port fails fast
+        sock = listening_socket(args.host, args.port) if args.api_server_count > 1 else None
+        core = EngineProcess(config, num_clients=args.api_server_count)
     except Exception as exc:  # noqa: BLE001 - every startup failure gets the same one line
         exit_on_startup_error(exc, args.log_level)
     model_name = args.served_model_name or served_name_of(config.model.model)
@@ -190,35 +195,11 @@ def main(argv: list[str] | None = None) -> None:
         max_prompts_per_request=args.max_prompts_per_request, api_key=args.api_key,
         log_interval=args.log_interval, watchdog_timeout=args.watchdog_timeout,
         shutdown_timeout=args.shutdown_timeout, enable_docs=not args.disable_fastapi_docs)
-    app = create_app(core, settings)
-    tune_gc()
-    # uvicorn waits a little past the timeout: the app ends open streams at the timeout
-    # itself, and they need a moment to send their error event and [DONE]
-    server_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout + STREAM_END_GRACE)
-    _Server(server_config, app.state.begin_shutdown).run()
-
-
-STREAM_END_GRACE = 1.0  # seconds
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, telling the app when SIGTERM (or Ctrl-C) starts the shutdown."""
-
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
-        super().__init__(config)
-        self._on_shutdown = on_shutdown
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._on_shutdown)
-        super().handle_exit(sig, frame)
+    if sock is not None:
+        options = ApiServerOptions(settings, args.host, args.port, args.log_level)
+        sys.exit(run_api_servers(core, sock, options))
+    app = create_app(CoreClient(core.info, owner=core), settings)
+    serve_app(app, args.host, args.port, args.log_level, args.shutdown_timeout)
 
 
 def served_name_of(model: str) -> str:

@@ -62,7 +62,8 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
     """Serve a started engine core (a process, or a thread in tests); the app's lifespan
     connects to it, and stops it at the end."""
     tokenizer = Tokenizer()
-    metrics = ServerMetrics(settings.model_name, core.max_model_len)
+    metrics = ServerMetrics(settings.model_name, core.max_model_len,
+                            counts_engine_totals=core.client_index == 0)
     async_engine = AsyncEngine(core, tokenizer, settings.max_queued_requests,
                                settings.watchdog_timeout, observe_output=metrics.observe_output,
                                observe_stats=metrics.observe_stats)

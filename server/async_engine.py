@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, EngineStats,
-                                  FromCore, SequenceFailed, Shutdown, StepOutput, ToCore)
+                                  FromCore, SequenceFailed, StepOutput, ToCore)
 from engine.core.request import SamplingParams
 from engine.core.scheduler import check_fits
 from engine.output.outputs import RequestOutput
@@ -35,6 +35,7 @@ class CoreConnection(Protocol):
     """How the frontend reaches an engine core loop (engine.core.engine_core.run_core_loop)."""
     max_model_len: int
     pool_tokens: int  # tokens the core's KV pool holds: no request may need more
+    client_index: int  # which of the core's API servers this is (0 with one)
 
     def start(self, deliver: Callable[[FromCore], None]) -> None:
         """Start receiving; `deliver` is called on the running event loop, in order."""
@@ -212,7 +213,7 @@ class AsyncEngine:
         for index, (rid, prompt) in enumerate(zip(ids, prompts)):
             sequences += self.processor.add(rid, None, prompt, params, arrival)
             self._routes[rid] = (generation, index)
-        self.connection.send(AddSequences(sequences))
+        self.connection.send(AddSequences(sequences, self.connection.client_index))
         return generation
 
     def abort(self, request_id: str) -> None:
@@ -266,14 +267,3 @@ class AsyncEngine:
             route[0].on_failure(RequestFailed(message))
             route[0].close()
 
-
-async def stop_core(connection: CoreConnection, join: Callable[[float], None],
-                    timeout: float) -> None:
-    """Shared by both connections: send Shutdown, then wait (off the event loop) at most
-    `timeout` seconds for the core to end."""
-    if connection.is_alive():
-        connection.send(Shutdown())
-        await asyncio.to_thread(join, timeout)
-    if connection.is_alive():
-        logger.warning("the engine core did not stop within %.1f s; leaving without it",
-                       timeout)

@@ -205,8 +205,8 @@ class _Reply:
         self.echoed.add(index)
         return self.service.tokenizer.decode(self.prompts[prompt_index])
 
-    def _logprobs(self, index: int, token_ids: list[int], logprobs: list[TokenLogprobs | None] | None,
-                  skip: int) -> CompletionLogprobs | None:
+    def _logprobs(self, index: int, token_ids: list[int],
+                  logprobs: list[TokenLogprobs | None] | None, skip: int) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
             return None
         offset = self.text_offsets.get(index, 0) + skip

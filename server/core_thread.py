@@ -8,13 +8,15 @@ runs the core in a process of its own (server/engine_process.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import Callable
 
 from engine.core.engine_core import EngineCore, run_core_loop
-from engine.core.messages import FromCore, ToCore
-from server.async_engine import stop_core
+from engine.core.messages import FromCore, Shutdown, ToCore
+
+logger = logging.getLogger("gpt2serve.engine")
 
 
 class CoreThread:
@@ -22,6 +24,7 @@ class CoreThread:
         self.core = core
         self.max_model_len = core.config.scheduler.max_model_len
         self.pool_tokens = core.block_manager.num_tokens
+        self.client_index = 0
         self._inbox: queue.Queue[ToCore] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._deliver: Callable[[FromCore], None] = lambda message: None
@@ -38,7 +41,13 @@ class CoreThread:
         return self._thread.is_alive()
 
     async def stop(self, timeout: float) -> None:
-        await stop_core(self, self._thread.join, timeout)
+        """Send Shutdown, then wait (off the event loop) at most `timeout` seconds."""
+        if self.is_alive():
+            self.send(Shutdown())
+            await asyncio.to_thread(self._thread.join, timeout)
+        if self.is_alive():
+            logger.warning("the engine core did not stop within %.1f s; leaving without it",
+                           timeout)
 
     def _run(self) -> None:
         run_core_loop(self.core, self._receive, self._send)

@@ -8,13 +8,20 @@ Two feeds update it:
   * `observe_stats` (engine thread) after every engine iteration: gauges, and the engine's
     cumulative counters turned into Prometheus increments.
 prometheus-client is thread-safe, so the two feeds need no lock of their own.
+
+With several API servers (server/api_servers.py) each process writes its values to
+PROMETHEUS_MULTIPROC_DIR and /metrics on any of them reads every process's: request counters
+and histograms sum, gauges show the most recent write, and only API server 0 turns the
+engine's cumulative counts into increments (each server sees the same counts).
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from engine.core.messages import ENGINE_COUNTERS, EngineStats, SpecCounts
 from engine.output.outputs import RequestMetrics, RequestOutput
@@ -41,9 +48,13 @@ def one_two_five_buckets(maximum: int) -> list[int]:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int,
+                 counts_engine_totals: bool = True) -> None:
+        """`counts_engine_totals`: this process exports the engine's cumulative counters
+        (False on all API servers but one)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.counts_engine_totals = counts_engine_totals
         self._engine_totals = dict.fromkeys(ENGINE_COUNTERS, 0)
         # plain totals for the periodic log line (Prometheus counters are write-only here)
         self.total_prompt_tokens = 0
@@ -76,8 +87,8 @@ class ServerMetrics:
                          registry=self.registry).labels(self.model_name)
 
     def _gauge(self, name: str, doc: str) -> Any:
-        return Gauge(PREFIX + name, doc, ["model_name"],
-                     registry=self.registry).labels(self.model_name)
+        return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry,
+                     multiprocess_mode="mostrecent").labels(self.model_name)
 
     def _counter(self, name: str, doc: str) -> Any:
         return Counter(PREFIX + name, doc, ["model_name"],
@@ -117,6 +128,8 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        if not self.counts_engine_totals:
+            return
         for name in ENGINE_COUNTERS:
             total = getattr(stats, name)
             self.engine_counters[name].inc(max(0, total - self._engine_totals[name]))
@@ -127,7 +140,11 @@ class ServerMetrics:
             self.spec.observe(stats.spec)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            return generate_latest(self.registry)
+        every_process = CollectorRegistry()
+        MultiProcessCollector(every_process)
+        return generate_latest(every_process)
 
 
 class SpecMetrics:

@@ -88,6 +88,7 @@ class SequenceFailed(msgspec.Struct, array_like=True, tag=True):
 
 class AddSequences(msgspec.Struct, array_like=True, gc=False, tag=True):
     sequences: list[CoreRequest]
+    client: int = 0  # which API server sent them (and gets their outputs), 0..N-1
 
 
 class AbortSequences(msgspec.Struct, array_like=True, gc=False, tag=True):
