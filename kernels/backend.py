@@ -10,10 +10,12 @@ import torch
 
 from engine.worker.attention import AttentionMetadata
 from engine.worker.layers import LinearShape, Ops
+from engine.worker.startup import StartupCache, device_key, source_hash
 from kernels.layernorm import add_layer_norm, layer_norm
 from kernels.linear import LinearDispatch, SkinnyWins, measure_skinny_wins
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from kernels.sampling import row_sample
+from kernels.skinny_gemm import TILE_CANDIDATES, TileConfig
 from kernels.store_kv import store_kv
 
 log = logging.getLogger(__name__)
@@ -28,12 +30,22 @@ def triton_ops(skinny_wins: SkinnyWins | None = None) -> Ops:
 
 
 def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],
-                        dtype: torch.dtype, device: torch.device) -> Ops:
+                        dtype: torch.dtype, device: torch.device, cache: StartupCache
+                        ) -> tuple[Ops, str]:
     """triton_ops with the skinny GEMM wherever it measured faster than cuBLAS on this GPU,
-    for the model's linear `shapes` at the decode `batch_sizes` that CUDA graphs replay."""
-    wins = measure_skinny_wins(shapes, batch_sizes, dtype, device)
-    log.info("skinny GEMM measured faster than cuBLAS for %d of the decode shapes", len(wins))
-    return triton_ops(wins)
+    for the model's linear `shapes` at the decode `batch_sizes` that CUDA graphs replay; and
+    "cached" when the table came from `cache` (no timing, nothing compiled but the winners),
+    else "measured"."""
+    key = {**device_key(device), "dtype": str(dtype), "shapes": [list(s) for s in shapes],
+           "batch_sizes": list(batch_sizes), "tile_candidates": [list(c) for c in TILE_CANDIDATES],
+           "kernels_source": source_hash("kernels")}
+    wins, cached = cache.get_or_measure(
+        "skinny-table", key, lambda: measure_skinny_wins(shapes, batch_sizes, dtype, device),
+        encode=lambda table: [[*shape, list(config)] for shape, config in table.items()],
+        decode=lambda rows: {tuple(row[:5]): TileConfig(*row[5]) for row in rows})
+    log.info("skinny GEMM %s faster than cuBLAS for %d of the decode shapes",
+             "(cached table) is" if cached else "measured", len(wins))
+    return triton_ops(wins), "cached" if cached else "measured"
 
 
 class TritonAttention:

@@ -9,17 +9,22 @@ References: `engine.worker.layers.linear` and `engine.worker.layers.add_norm_lin
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+import os
+import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.runtime.errors import OutOfResources
 
 from kernels.gelu import bias_gelu
 from kernels.layernorm import add_layer_norm
-from kernels.skinny_gemm import (MAX_M, TILE_CANDIDATES, AddNorm, TileConfig,
+from kernels.skinny_gemm import (MAX_M, TILE_CANDIDATES, AddNorm, TileConfig, compile_skinny,
                                  skinny_add_norm_linear, skinny_linear)
 from kernels.timing import cuda_ms
 
@@ -63,6 +68,7 @@ def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: 
     candidate tile config against the unfused path (cuBLAS, plus the add + LayerNorm kernel
     for norm shapes) inside CUDA graphs (launch overhead excluded, as in a captured decode
     step), weights rotated so they stream from memory as in a real step."""
+    compile_candidates(shapes, batch_sizes, dtype, device)
     wins = {}
     for n, k, gelu, norm in shapes:
         weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5
@@ -84,6 +90,34 @@ def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: 
                      m, gelu, norm, times.pop(None),
                      ", ".join(f"{tuple(c)} {t:.4f}" for c, t in times.items()))
     return wins
+
+
+def compile_candidates(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],
+                       dtype: torch.dtype, device: torch.device) -> None:
+    """Compile every candidate variant that measure_skinny_wins times, up front and in a
+    thread pool: one at a time they took most of a cold start (48 of gpt2's 80 s on an H100),
+    and Triton compiles mostly outside the GIL (its native passes, LLVM, ptxas). Needs
+    triton.AsyncCompileMode with ignore_errors (Triton 3.6 has it), else the variants compile
+    one by one as they are timed; a variant that fails here fails again, loudly, when timed."""
+    async_compile = getattr(triton, "AsyncCompileMode", None)
+    if async_compile is None or "ignore_errors" not in inspect.signature(async_compile).parameters:
+        log.info("this Triton has no AsyncCompileMode(ignore_errors): the skinny GEMM "
+                 "variants compile one at a time as they are timed")
+        return
+    start, threads = time.perf_counter(), min(32, os.cpu_count() or 1)
+    sizes = [m for m in batch_sizes if m <= MAX_M]
+    with ThreadPoolExecutor(threads) as pool, async_compile(pool, ignore_errors=True):
+        for n, k, gelu, norm in shapes:
+            weight, bias, ln_w, ln_b = (torch.empty(shape, dtype=dtype, device=device)
+                                        for shape in ((n, k), (n,), (k,), (k,)))
+            for m in sizes:
+                x, residual = (torch.empty(m, k, dtype=dtype, device=device) for _ in range(2))
+                add_norm = AddNorm(residual, ln_w, ln_b, 1e-5) if norm else None
+                for config in TILE_CANDIDATES:
+                    compile_skinny(x, weight, bias, gelu, add_norm, config)
+    log.info("compiled %d skinny GEMM variants (shape x batch size x tile config) in %.1f s "
+             "on %d threads", len(shapes) * len(sizes) * len(TILE_CANDIDATES),
+             time.perf_counter() - start, threads)
 
 
 def _graph_ms_if_fits(call, weights: list[torch.Tensor]) -> float:

@@ -28,6 +28,7 @@ faster than cuBLAS (plus the add + LayerNorm kernel) on the running GPU (kernels
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -235,7 +236,7 @@ def _splits(num_tiles: int, k_steps: int, sms: int, config: TileConfig) -> int:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool,
-            norm: AddNorm | None, config: TileConfig = TileConfig()
+            norm: AddNorm | None, config: TileConfig = TileConfig(), compile_only: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     (m, k), n = x.shape, weight.shape[0]
     assert m <= MAX_M and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
@@ -264,7 +265,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ge
     counters = counters_for(x.device, num_tiles) if splits > 1 else out
     bias_arg = out if bias is None else bias
     res, ln_w, ln_b, eps = norm if norm is not None else (x, x, x, 0.0)
-    _skinny_kernel[(num_tiles, splits)](
+    grid = (num_tiles, splits)
+    kernel = (functools.partial(_skinny_kernel.warmup, grid=grid) if compile_only
+              else _skinny_kernel[grid])
+    kernel(
         x, weight, bias_arg, out, part, stats, counters, res, ln_w, ln_b,
         out if summed is None else summed, eps, m, n, k, k_per_split, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
@@ -286,6 +290,14 @@ def skinny_add_norm_linear(x: torch.Tensor, norm: AddNorm, weight: torch.Tensor,
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (act(LayerNorm(x + residual) @ weight.T + bias), x + residual) in one launch."""
     return _launch(x, weight, bias, gelu, norm, config)
+
+
+def compile_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool,
+                   norm: AddNorm | None, config: TileConfig) -> None:
+    """Compile the kernel variant that skinny_linear (norm None) or skinny_add_norm_linear
+    would launch for these arguments, without launching it (Triton's warmup: under
+    triton.AsyncCompileMode, in its thread pool)."""
+    _launch(x, weight, bias, gelu, norm, config, compile_only=True)
 
 
 def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor,

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ ENGINE_FLAG_HELP = {
     "attention_backend": "auto: triton on cuda, torch on cpu",
     "enforce_eager": "run every step eagerly (no CUDA graphs)",
     "mixed_step_graphs": "also capture steps with prompt tokens as CUDA graphs",
+    "startup_cache": "reuse the skinny-GEMM table and KV sizing measured by an earlier start "
+                     "with nothing changed (kept under TRITON_CACHE_DIR/gpt2-serve)",
     "seed": "seed of requests that set none",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (default: sized from free memory)",
@@ -154,8 +157,9 @@ def exit_on_startup_error(exc: Exception, log_level: str) -> None:
 
 
 def _log_startup(core: EngineProcess, config: EngineConfig, args: argparse.Namespace,
-                 model_name: str) -> None:
+                 model_name: str, started: float) -> None:
     model, cache, sched, info = config.model, config.cache, config.scheduler, core.info
+    logger.info("ready in %.1f s: %s", time.perf_counter() - started, info.startup_phases)
     logger.info("gpt2-serve %s: serving %s as %r on http://%s:%d (engine core: pid %s)",
                 version(), model.model, model_name, args.host, args.port, core.info.pid)
     logger.info("model: device=%s dtype=%s attention=%s enforce_eager=%s", info.device,
@@ -172,6 +176,7 @@ def _log_startup(core: EngineProcess, config: EngineConfig, args: argparse.Names
 
 
 def main(argv: list[str] | None = None) -> None:
+    started = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
     if min(args.max_queued_requests, args.max_n, args.max_prompts_per_request,
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - every startup failure gets the same one line
         exit_on_startup_error(exc, args.log_level)
     model_name = args.served_model_name or served_name_of(config.model.model)
-    _log_startup(core, config, args, model_name)
+    _log_startup(core, config, args, model_name, started)
     settings = ServerSettings(
         model_name=model_name, max_queued_requests=args.max_queued_requests, max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request, api_key=args.api_key,

@@ -42,6 +42,9 @@ class ModelConfig:
     enforce_eager: bool = False  # turn CUDA graphs off
     # also capture steps with prompt tokens (padded token counts); off: they run eagerly
     mixed_step_graphs: bool = True
+    # keep what startup measures on the GPU (skinny-GEMM table, worst step's memory) beside
+    # Triton's cache, so a restart with nothing changed skips measuring (engine/worker/startup.py)
+    startup_cache: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ come back with one host sync per step.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from engine.worker.layers import TORCH_OPS, LinearShape, Ops
 from engine.worker.models.gpt2 import KVCache, find_checkpoint, load_gpt2
 from engine.core.request import SamplingParams
 from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput
+from engine.worker.startup import (StartupCache, StartupPhases, default_cache_dir, device_key,
+                                   source_hash)
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +58,20 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 
 def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig,
-            dtype: torch.dtype, device: torch.device) -> Ops:
+            dtype: torch.dtype, device: torch.device, cache: StartupCache
+            ) -> tuple[Ops, str | None]:
     """Fused Triton ops go with the Triton backend (imported lazily, so CPU runs need no
-    Triton), the model's linear layers routed by a table measured on this GPU for the decode
-    batch sizes that CUDA graphs replay."""
+    Triton), the model's linear layers routed by a table measured on this GPU (or kept in
+    `cache` from an earlier start) for the decode batch sizes that CUDA graphs replay; and
+    where that table came from ("cached", "measured"; None: no table)."""
     if backend != "triton":
-        return TORCH_OPS
+        return TORCH_OPS, None
     from kernels.backend import measured_triton_ops, triton_ops
 
     if config.model.enforce_eager:
-        return triton_ops()
+        return triton_ops(), None
     return measured_triton_ops(linear_shapes, capture_sizes(config.scheduler.max_num_seqs),
-                               dtype, device)
+                               dtype, device, cache)
 
 
 class ModelRunner:
@@ -75,12 +80,20 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
+        self.startup = StartupPhases()
+        self.startup_cache = StartupCache(default_cache_dir() if config.model.startup_cache
+                                          else None)
         start = time.perf_counter()
         model_dir, model_config = find_checkpoint(config.model.model)
-        ops = ops_for(self.attention_backend, model_config.linear_shapes, config, self.dtype,
-                      self.device)
+        table_start = time.perf_counter()
+        ops, table_source = ops_for(self.attention_backend, model_config.linear_shapes, config,
+                                    self.dtype, self.device, self.startup_cache)
+        table_seconds = time.perf_counter() - table_start
         self.model = load_gpt2(model_dir, model_config, self.dtype, self.device, ops,
                                get_attention_backend(self.attention_backend))
+        self.startup.add("load", time.perf_counter() - start - table_seconds)
+        if table_source is not None:
+            self.startup.add("skinny table", table_seconds, table_source)
         self.sampler = Sampler(config.model.seed, self.model.ops.sample)
         log.info("loaded %s (%s, %s, %s attention) with its kernels in %.1f s", model_dir,
                  self.device, self.dtype, self.attention_backend, time.perf_counter() - start)
@@ -96,8 +109,11 @@ class ModelRunner:
         self.max_sample_rows = config.scheduler.max_num_seqs * (self.max_drafts + 1)
         self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
         start = time.perf_counter()
-        self.num_kv_blocks = config.cache.num_kv_blocks or self._num_blocks_that_fit()
+        self.num_kv_blocks, sizing = ((config.cache.num_kv_blocks, "given")
+                                      if config.cache.num_kv_blocks else
+                                      self._num_blocks_that_fit())
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+        self.startup.add("KV sizing", time.perf_counter() - start, sizing)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB); %.1f requests fit at the full "
                  "%d-token context; sized in %.1f s", self.num_kv_blocks, self.block_size,
                  self.num_kv_blocks * self.kv_block_bytes / 2**30,
@@ -126,6 +142,7 @@ class ModelRunner:
                                    self.max_blocks_per_seq, self.block_size,
                                    sched.max_model_len, self.device)
         self.decode_graphs.capture(pool)
+        self.startup.add("graphs", time.perf_counter() - start)
         log.info("captured CUDA graphs in %.1f s: decode for batch sizes %s; mixed steps for "
                  "token counts %s", time.perf_counter() - start, self.decode_graphs.sizes,
                  self.mixed_graphs.sizes if self.mixed_graphs else "none (eager)")
@@ -145,31 +162,53 @@ class ModelRunner:
                  torch.zeros(shape, dtype=self.dtype, device=self.device))
                 for _ in range(cfg.n_layer)]
 
-    def _num_blocks_that_fit(self) -> int:
+    def _num_blocks_that_fit(self) -> tuple[int, str]:
+        """The blocks that fit, and how the budget was found."""
         if self.device.type == "cuda":
-            budget = self._profile_free_cuda_bytes()
+            budget, sizing = self._profile_free_cuda_bytes()
         else:
-            budget = self.config.cache.cpu_kv_cache_bytes
+            budget, sizing = self.config.cache.cpu_kv_cache_bytes, "cpu budget"
         num_blocks = budget // self.kv_block_bytes
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache: {budget} bytes available, one "
                              f"block needs {self.kv_block_bytes}")
-        return num_blocks
+        return num_blocks, sizing
 
-    def _profile_free_cuda_bytes(self) -> int:
+    def _profile_free_cuda_bytes(self) -> tuple[int, str]:
         """gpu_memory_utilization of the GPU, less what other processes and the CUDA context
-        hold and the peak of a worst-case step (weights + activations + sampling)."""
+        hold and the peak of a worst-case step (weights + activations + sampling); the step's
+        bytes above the weights come from the startup cache when an earlier start measured
+        them with nothing changed ("cached"), else from running the step ("profiled")."""
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
         weights = torch.cuda.memory_allocated(self.device)
+        step_bytes, cached = self.startup_cache.get_or_measure(
+            "worst-step-bytes", self._worst_step_key(), self._worst_step_bytes)
+        free, total = torch.cuda.mem_get_info(self.device)
+        held_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
+        budget = (int(total * self.config.cache.gpu_memory_utilization) - held_elsewhere
+                  - weights - step_bytes - self._graph_memory_estimate(step_bytes))
+        return budget, "cached" if cached else "profiled"
+
+    def _worst_step_bytes(self) -> int:
+        """Peak memory of the worst-case step above what was allocated before it."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         step, num_blocks = self._profile_step()
         self._launch(step, self._allocate_kv_cache(num_blocks)).wait()  # a scratch cache
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        held_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
-        return (int(total * self.config.cache.gpu_memory_utilization) - held_elsewhere - peak
-                - self._graph_memory_estimate(peak - weights))
+        return peak - before
+
+    def _worst_step_key(self) -> dict:
+        """Everything the worst-case step's memory depends on: the device and libraries, the
+        model's shapes and dtype, the limits that size the step, and the code that runs it."""
+        sched = self.config.scheduler
+        return {**device_key(self.device), "model": dataclasses.asdict(self.model.config),
+                "dtype": str(self.dtype), "attention_backend": self.attention_backend,
+                "block_size": self.block_size, "max_drafts": self.max_drafts,
+                "max_num_batched_tokens": sched.max_num_batched_tokens,
+                "max_num_seqs": sched.max_num_seqs, "max_model_len": sched.max_model_len,
+                "source": source_hash("engine/worker", "kernels")}
 
     def _graph_memory_estimate(self, step_bytes: int) -> int:
         """Graphs are captured after the cache is allocated, so their pool is set aside up

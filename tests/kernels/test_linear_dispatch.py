@@ -55,3 +55,15 @@ def test_add_norm_linear_paths_match_reference(m, gelu, monkeypatch):
         torch.testing.assert_close(out, expected, **tol(torch.float32))
         fused = ["skinny_add_norm_linear"] if norm_flag else ["skinny_linear"]
         assert calls == (fused if wins else [])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times inside CUDA graphs")
+def test_measured_table_names_candidate_configs_only():
+    """The timing after the parallel compile: every win is a candidate at a measured shape."""
+    from kernels.linear import measure_skinny_wins
+    from kernels.skinny_gemm import TILE_CANDIDATES
+
+    shapes, sizes = [(768, 768, False, False), (3072, 768, True, True)], [1, 4, 32]
+    wins = measure_skinny_wins(shapes, sizes, torch.float16, torch.device(DEVICE))
+    assert all(config in TILE_CANDIDATES for config in wins.values())
+    assert {key[2] for key in wins} <= {1, 4}  # 32 > MAX_M: never skinny
