@@ -8,13 +8,14 @@ reports its own CPU time, so a run shows whether the load generator kept up.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import multiprocessing as mp
 import time
 from dataclasses import dataclass
 
 import httpx
+import msgspec
+import uvloop
 from tqdm import tqdm
 
 from server.bench.metrics import RequestResult
@@ -48,6 +49,15 @@ class WorkerOutcome:
     cpu_percent: float  # this process's CPU time over its wall time while sending
 
 
+class _Chunk(msgspec.Struct):
+    """What the load generator reads of an SSE chunk (the rest is skipped, not parsed)."""
+    choices: list[msgspec.Raw] = []
+    usage: dict | None = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
 async def send_one(client: httpx.AsyncClient, model: str, prompt: Prompt) -> RequestResult:
     body = {"model": model, "prompt": prompt.prompt, "max_tokens": prompt.output_len,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
@@ -63,11 +73,11 @@ async def send_one(client: httpx.AsyncClient, model: str, prompt: Prompt) -> Req
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    chunk = json.loads(line[len("data: "):])
-                    usage = chunk.get("usage") or usage
-                    if chunk.get("choices"):
+                    chunk = _decode_chunk(line[len("data: "):])
+                    usage = chunk.usage or usage
+                    if chunk.choices:
                         result.chunk_times.append(time.monotonic())
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (httpx.HTTPError, msgspec.DecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.end = time.monotonic()
     fallback_prompt_len = len(prompt.prompt) if isinstance(prompt.prompt, list) else 0
@@ -100,7 +110,7 @@ def _worker(job: WorkerJob, conn, done_counter) -> None:
     start = conn.recv()
     time.sleep(max(0.0, start - time.monotonic()))
     cpu0, wall0 = time.process_time(), time.monotonic()
-    results = asyncio.run(_send_all(job, start, done_counter))
+    results = uvloop.run(_send_all(job, start, done_counter))  # less CPU per chunk
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     conn.send(WorkerOutcome(results, 100.0 * cpu / max(wall, 1e-9)))
     conn.close()
