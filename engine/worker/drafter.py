@@ -80,25 +80,34 @@ class Drafter:
 
     def fill(self, out: SchedulerOutput) -> SchedulerOutput:
         """`out` with each speculating sequence's draft slots holding the draft's greedy
-        guesses. Launches every iteration first (each reads the last one's tokens on the
-        device), then waits for their tokens: one host sync per fill."""
+        guesses. Iteration i + 1 reads iteration i's tokens on the device, and is launched
+        before i's tokens are waited for, as the engine runs steps one ahead (the graphs'
+        pinned staging holds two steps): one host sync per iteration, overlapped with the
+        next."""
         speculating = [s for s in out.sequences if s.num_drafts]
-        iterations, rows_before = [], {}
+        drafts: list[list[int]] = [[] for _ in speculating]
+        in_flight, rows_before = [], {}
         for i in range(max(s.num_drafts for s in speculating)):
             active = [j for j, s in enumerate(speculating) if s.num_drafts > i]
             rows = [_draft_row(speculating[j], i, rows_before.get(j, -1)) for j in active]
             rows_before = {j: row for row, j in enumerate(active)}
             self._step_id += 1
-            iterations.append((active, self.runner.launch(SchedulerOutput(
+            in_flight.append((active, self.runner.launch(SchedulerOutput(
                 rows, step_id=self._step_id))))
-        drafts: list[list[int]] = [[] for _ in speculating]
-        for active, pending in iterations:
-            for j, token in zip(active, pending.wait().sampled_token_ids):
-                drafts[j].append(token)
+            if len(in_flight) == 2:
+                _collect(drafts, *in_flight.pop(0))
+        for launched in in_flight:
+            _collect(drafts, *launched)
         filled = iter(replace(s, token_ids=s.token_ids[:-s.num_drafts] + d)
                       for s, d in zip(speculating, drafts))
         return replace(out, sequences=[next(filled) if s.num_drafts else s
                                        for s in out.sequences])
+
+
+def _collect(drafts: list[list[int]], active: list[int], pending) -> None:
+    """Wait for one iteration's tokens and append each to its sequence's drafts."""
+    for j, token in zip(active, pending.wait().sampled_token_ids):
+        drafts[j].append(token)
 
 
 def _draft_row(seq: ScheduledSequence, i: int, source: int) -> ScheduledSequence:
