@@ -13,8 +13,8 @@ from engine import SamplingParams
 from engine.core.config import ConfigError
 from server_harness import ServerProcess, metric
 from test_cli import serve
-from test_spec_engine import (GREEDY, K, assert_all_blocks_free, make_llm, mixed_params,
-                              plain_greedy, prompts, seeded)
+from test_spec_engine import (EACH_SETTING, GREEDY, K, assert_all_blocks_free, make_llm,
+                              mixed_params, plain_greedy, prompts, seeded)
 
 __all__ = ["plain_greedy", "prompts", "seeded"]  # fixtures shared with test_spec_engine
 
@@ -45,13 +45,7 @@ def check_acceptance(llm, draft, tiny_checkpoint, drafted_greedily=True):
         assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"enable_prefix_caching": False},
-    {"max_num_batched_tokens": 7},
-    {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 32},
-    {"async_scheduling": False},
-], ids=["prefix-cache", "no-prefix-cache", "chunk-7", "preemption", "sync"])
+@EACH_SETTING
 def test_draft_model_speculation_changes_no_greedy_token(tiny_checkpoint, draft, prompts,
                                                          plain_greedy, overrides):
     llm = make_llm(tiny_checkpoint, speculative_config=draft_config(draft), **overrides)

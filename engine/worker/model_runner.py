@@ -22,53 +22,13 @@ from engine.worker.spec_timing import measure_step_times
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
 from engine.worker.inputs import (is_decode_step, prepare_host_inputs, take_placeholders,
                                   to_device)
-from engine.worker.layers import TORCH_OPS, LinearShape, Ops
+from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
 from engine.worker.drafter import Drafter, draft_reserved_bytes, draft_runner_config, find_draft
 from engine.worker.models.gpt2 import GPT2Config, KVCache, find_checkpoint, load_gpt2
 from engine.core.request import SamplingParams
 from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if name == "triton" and device.type != "cuda":
-        raise ValueError("attention_backend='triton' needs device='cuda'")
-    return name
-
-
-def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig,
-            dtype: torch.dtype, device: torch.device) -> Ops:
-    """Fused Triton ops go with the Triton backend (imported lazily, so CPU runs need no
-    Triton), the model's linear layers routed by a table measured on this GPU for the decode
-    batch sizes that CUDA graphs replay."""
-    if backend != "triton":
-        return TORCH_OPS
-    from kernels.backend import measured_triton_ops, triton_ops
-
-    if config.model.enforce_eager:
-        return triton_ops()
-    return measured_triton_ops(linear_shapes, capture_sizes(config.scheduler.max_num_seqs),
-                               dtype, device)
-
 
 def kv_block_bytes(cfg: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
     """K and V of one block across all layers."""
