@@ -14,6 +14,14 @@ own greedy output with each draft corrupted with probability 1 - a:
     being applied before the next is scheduled.
 Speculation off is the same engine with its draft length set to 0. Writes spec.json and, where
 matplotlib is installed, spec_rates.png and spec_batches.png under --out.
+
+With --draft-model (an arch name, random weights, or a path) it measures the draft_model
+method instead: one stream, the draft drafting at each k against an engine without a draft
+(the draft's engine pays its forward on every step, even at k = 0), and the acceptance.
+A draft of the target's own arch (same random weights) accepts every greedy draft:
+
+    python3 scripts/bench_spec.py --model gpt2-xl --draft-model gpt2 --out $OUT
+    python3 scripts/bench_spec.py --model gpt2-xl --draft-model gpt2-xl --out $OUT/copy
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench_utils import checkpoint_for, device_info, write_result
+from plot_spec import replot
 
 from engine import LLM, SamplingParams
 from engine.spec.ngram import NgramProposer
@@ -48,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-k", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--draft-model", help="measure this draft model (arch or path) only")
     parser.add_argument("--replot", metavar="JSON", help="only redraw the PNGs of a result")
     return parser.parse_args(argv)
 
@@ -56,23 +66,34 @@ def numbers(text: str, kind=float) -> list:
     return [kind(x) for x in text.split(",")]
 
 
-class Bench:
-    """One engine, configured to speculate with the largest k; each measurement sets its
-    proposer, draft length and switch."""
+def largest_k(args: argparse.Namespace) -> int:
+    return max(numbers(args.ks, int) + [args.batch_k])
 
-    def __init__(self, args: argparse.Namespace) -> None:
+
+NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+class Bench:
+    """One engine, configured to speculate with the largest k (`speculative`: vLLM's dict
+    less num_speculative_tokens; None: no speculation); each measurement sets its proposer,
+    draft length and switch."""
+
+    def __init__(self, args: argparse.Namespace, speculative: dict | None = NGRAM,
+                 **overrides) -> None:
         self.args = args
-        k_max = max(numbers(args.ks, int) + [args.batch_k])
         dtype = "float16" if args.device == "cuda" else "float32"
+        spec = None if speculative is None else {**speculative,
+                                                 "num_speculative_tokens": largest_k(args)}
         self.llm = LLM(model=checkpoint_for(args.model), device=args.device, dtype=dtype,
                        max_num_seqs=max(numbers(args.batches, int)),
-                       speculative_config={"method": "ngram", "num_speculative_tokens": k_max,
-                                           "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+                       speculative_config=spec, **overrides)
         self.engine = self.llm.engine
         self.speculator = self.engine.core.speculator
-        self.measured_switch = self.speculator.switch  # None off CUDA
         self._next = 0
         self.judged = 0  # drafts the target judged: a row's run ends at its first rejection
+        if self.speculator is None:
+            return
+        self.measured_switch = self.speculator.switch  # None off CUDA
         observe = self.speculator.observe
 
         def observe_judged(num_drafts: int, num_accepted: int) -> None:
@@ -211,6 +232,37 @@ def pipelining(bench: Bench, prompt: list[int]) -> dict:
     return result
 
 
+def draft_model_stream(args: argparse.Namespace, prompt: list[int]) -> dict:
+    """The draft model at each k (switch-off out) against an engine without speculation, one
+    stream; both engines' pools hold a few streams, so they fit side by side. The expectation
+    is E(a, k) at the measured a over S(1, k) / plain: the speculative step (drafting and
+    verification, measured at startup on CUDA) over the plain engine's time per token."""
+    blocks = 8 * -(-(args.prompt_len + args.output_len + largest_k(args)) // 16)
+    plain = Bench(args, None, num_kv_blocks=blocks)
+    bench = Bench(args, {"model": checkpoint_for(args.draft_model)}, num_kv_blocks=blocks)
+    plain.run([prompt])  # warm-up
+    bench.configure(0)
+    bench.run([prompt])
+    outputs, _ = plain.run([prompt])
+    reference, plain_seconds = outputs[0].token_ids, decode_seconds_per_token(outputs[0])
+    times = bench.measured_switch and bench.measured_switch.times  # None off CUDA
+    rows = []
+    for k in numbers(args.ks, int):
+        bench.configure(k)
+        before = bench.counters()
+        outputs, _ = bench.run([prompt])
+        assert outputs[0].token_ids == reference, "speculation changed the greedy output"
+        measured = acceptance(before, bench.counters())
+        step = times and times.at(times.speculative[k], 1)
+        rows.append({"k": k, "speedup": plain_seconds / decode_seconds_per_token(outputs[0]),
+                     "expected": step and expected_tokens(measured["a_measured"], k)
+                     * plain_seconds / step, "speculative_step_ms": step and step * 1e3,
+                     **measured})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"draft_model": args.draft_model, "plain_ms_per_token": plain_seconds * 1e3,
+            "single_stream": rows}
+
+
 def random_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB - 1) for _ in range(n)]
 
@@ -229,53 +281,19 @@ def cost_ratios(bench: Bench) -> tuple[float, dict]:
     return c, {k: times.at(series, 1) / plain for k, series in times.speculative.items()}
 
 
-def replot(result: dict, out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (spec.json has the numbers; --replot later)")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    rows = result["single_stream"]
-    for k in sorted({r["k"] for r in rows}):
-        mine = [r for r in rows if r["k"] == k]
-        line, = ax.plot([r["a"] for r in mine], [r["speedup"] for r in mine], marker="o",
-                        label=f"k={k} measured")
-        ax.plot([r["a"] for r in mine], [r["expected"] for r in mine], linestyle="--",
-                color=line.get_color(), label=f"k={k} analytic")
-    ax.set(xlabel="acceptance rate a", ylabel="single-stream speedup",
-           title=f"{result['args']['model']}: oracle proposer")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "spec_rates.png", dpi=120)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    rows = result["batches"]
-    for key in ("speedup_switch_off", "speedup_switch_on"):
-        if any(key in r for r in rows):
-            ax.plot([r["batch"] for r in rows], [r.get(key) for r in rows], marker="o",
-                    label=key.replace("speedup_", "").replace("_", " "))
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set(xlabel="batch size", ylabel="throughput vs no speculation", xscale="log",
-           title=f"a = {result['args']['batch_rate']}, k = {result['args']['batch_k']}")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "spec_batches.png", dpi=120)
-    print(f"wrote {out / 'spec_rates.png'} and {out / 'spec_batches.png'}")
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.replot:
         replot(json.loads(Path(args.replot).read_text()), Path(args.replot).parent)
         return
     out = Path(args.out)
-    bench = Bench(args)
     rng = random.Random(0)
+    if args.draft_model:
+        result = draft_model_stream(args, random_tokens(rng, args.prompt_len))
+        write_result("spec_draft", {**device_info(), "args": vars(args), **result},
+                     out_dir=out)
+        return
+    bench = Bench(args)
     bench.configure(0)
     bench.run([random_tokens(rng, args.prompt_len)] * 2)  # warm-up
     c, verify_ratio = cost_ratios(bench)

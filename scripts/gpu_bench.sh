@@ -3,7 +3,8 @@
 #   OUT=/tmp/out bash scripts/gpu_bench.sh tests latency offline kernels profile serve spec
 # Env knobs: MODELS (latency, profile, serve), LATENCY_ARGS, SERVE_ARGS, NUM_PROMPTS and
 # OFFLINE_ARGS (offline), SPEC_MODEL and SPEC_ARGS (spec: speculative decoding sweeps,
-# scripts/bench_spec.py),
+# scripts/bench_spec.py; spec-draft: SPEC_DRAFTS, default gpt2 and the target's copy, each
+# drafting for SPEC_MODEL, results under $OUT/draft-<name>),
 # PROFILE_BATCH (e.g. LATENCY_ARGS=--no-mixed-step-graphs for the eager-prefill side of an A/B);
 # GPT2_SERVE_PDL=0 launches the Triton kernels without programmatic dependent launch.
 # The node has torch/triton/transformers but no network: wheels it lacks travel in .whl/ and the
@@ -33,6 +34,7 @@ for stage in "$@"; do
                 OUT=$OUT/before bash .before/scripts/gpu_bench.sh ${BEFORE_STAGES:-latency offline} ;;
         serve) for m in ${MODELS:-gpt2}; do python3 scripts/bench_serve.py --model "$m" --out "$OUT" ${SERVE_ARGS:-}; done 2>&1 | tee "$OUT/serve.log" | grep -v "it/s" ;;
         spec) python3 scripts/bench_spec.py --model "${SPEC_MODEL:-gpt2-xl}" --out "$OUT" ${SPEC_ARGS:-} 2>&1 | tee "$OUT/spec.log" | grep -v "it/s" ;;
+        spec-draft) for d in ${SPEC_DRAFTS:-gpt2 ${SPEC_MODEL:-gpt2-xl}}; do python3 scripts/bench_spec.py --model "${SPEC_MODEL:-gpt2-xl}" --draft-model "$d" --out "$OUT/draft-$(basename "$d")" ${SPEC_ARGS:-}; done 2>&1 | tee "$OUT/spec_draft.log" | grep -v "it/s" ;;
         kernels) python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
         *) echo "unknown stage $stage" ;;
     esac

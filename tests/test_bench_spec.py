@@ -19,3 +19,14 @@ def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
     assert all(r["speedup_switch_off"] > 0 for r in result["batches"])
     assert result["ngram"]["k"] == 2 and result["ngram"]["speedup_mean"] > 0
     assert set(result["pipelining"]) == {"async_ms_per_token", "sync_ms_per_token"}
+
+
+def test_bench_spec_measures_a_draft_model(tiny_checkpoint, tmp_path):
+    """The target drafting for itself: every greedy draft is accepted."""
+    main(["--model", str(tiny_checkpoint), "--draft-model", str(tiny_checkpoint),
+          "--device", "cpu", "--out", str(tmp_path), "--ks", "1,2", "--batches", "1",
+          "--batch-k", "2", "--prompt-len", "16", "--output-len", "6"])
+    result = json.loads((tmp_path / "spec_draft.json").read_text())
+    rows = result["single_stream"]
+    assert [r["k"] for r in rows] == [1, 2] and all(r["speedup"] > 0 for r in rows)
+    assert all(r["a_measured"] == 1.0 for r in rows) and result["plain_ms_per_token"] > 0

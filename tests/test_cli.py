@@ -36,8 +36,8 @@ STARTUP_FAILURES = [
     (["--speculative-config", '{"num_speculative_tokens": 2, "prompt_lookup_min": 3, '
                               '"prompt_lookup_max": 2}'],
      "gpt2-serve: error: invalid config: speculative_config.prompt_lookup_min=3"),
-    (["--speculative-config", '{"model": "gpt2", "num_speculative_tokens": 2}'],
-     "gpt2-serve: error: invalid config: speculative_config.method='draft_model'"),
+    (["--speculative-config", '{"model": "/no/such/draft", "num_speculative_tokens": 2}'],
+     "gpt2-serve: error: model directory '/no/such/draft' does not exist"),
 ]
 if not torch.cuda.is_available():
     STARTUP_FAILURES.append((["--device", "cuda"], "gpt2-serve: error: device='cuda' was "

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_core_output_and_spec_import_no_torch():
     code = ("import sys, engine.core.scheduler, engine.core.config, engine.output.detokenize, "
             "engine.spec.ngram, engine.spec.oracle, engine.spec.stats, "
-            "engine.spec.switch; "
+            "engine.spec.switch, engine.spec.draft_slots, engine.spec.speculator; "
             "sys.exit(int('torch' in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

@@ -50,13 +50,18 @@ def assert_all_blocks_free(llm):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-@pytest.mark.parametrize("overrides", [
+# engine settings every proposer is checked under: prefix caching on and off, 7-token
+# chunks, a block pool too small for the batch (preemption), no scheduling ahead
+EACH_SETTING = pytest.mark.parametrize("overrides", [
     {},
     {"enable_prefix_caching": False},
     {"max_num_batched_tokens": 7},
     {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 32},
     {"async_scheduling": False},
 ], ids=["prefix-cache", "no-prefix-cache", "chunk-7", "preemption", "sync"])
+
+
+@EACH_SETTING
 def test_ngram_speculation_changes_no_greedy_token(tiny_checkpoint, prompts, plain_greedy,
                                                    overrides):
     llm = make_llm(tiny_checkpoint, speculative_config=NGRAM, **overrides)

@@ -37,6 +37,7 @@ class ScheduledSequence:
     prev_sample_row: int = -1
     # the last num_drafts of token_ids are a proposer's guesses: the runner samples at each
     # of them and at the token before them, and reports how many the target accepted
+    # (UNFILLED_DRAFT until the draft model fills them in, for the draft_model method)
     num_drafts: int = 0
 
     @property
@@ -52,6 +53,9 @@ class ScheduledSequence:
 # A token id not known yet when the step was scheduled: the one the previous step (still on
 # the device) samples for this sequence, named by the sequence's prev_sample_row.
 PLACEHOLDER_TOKEN = -1
+# A draft slot the scheduler reserved for the draft model, which fills it in before the step
+# runs (engine/worker/drafter.py); never reaches the target.
+UNFILLED_DRAFT = -2
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,11 @@ step: a speculating request is never scheduled ahead, so all its tokens are know
     schedule():  context = DraftContext(request)   drafts = proposer.propose(context)
                  step holds [last token, d1 .. dk]  (k + 1 positions verified together)
 
-A draft model is the one proposer that needs the device: it implements the same `propose`
-per request in spirit, but batched inside the runner after the target's sampling (its KV in
-a pool indexed by the target's block tables), handing its drafts and their probabilities q
-to the next step; docs/speculative.md describes that slot. Host proposers' q is one-hot.
+A draft model is the one proposer that needs the device. Its scheduler-side proposer
+(`DraftSlots`) reserves the k slots only; the runner's drafter fills them in, batched over
+the step's speculating sequences, before the target verifies (engine/worker/drafter.py).
+Every proposer's drafts are deterministic, so q is one-hot and `accept_drawn` is exact
+rejection sampling.
 """
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ and the counters of what the target accepted.
 """
 from __future__ import annotations
 
-from engine.core.config import ConfigError, EngineConfig
+from engine.core.config import EngineConfig
 from engine.core.request import Request
+from engine.spec.draft_slots import DraftSlots
 from engine.spec.ngram import NgramProposer
 from engine.spec.proposer import DraftContext, Proposer
 from engine.spec.stats import SpecDecodingStats
@@ -57,16 +58,17 @@ class Speculator:
 
 
 def build_speculator(config: EngineConfig, runner) -> Speculator | None:
-    """The speculator config.speculative asks for (None: off). The n-gram proposer is the
-    method wired in; the switch-off decides per step where the runner measured step times
+    """The speculator config.speculative asks for (None: off): the n-gram proposer, or draft
+    slots that the runner's draft model fills in (`runner.drafter`, loaded with the runner).
+    The switch-off decides per step where the runner measured step times
     (`runner.measure_spec_step_times()`: on CUDA), else every step speculates."""
     spec = config.speculative
     if spec is None:
         return None
-    if spec.method != "ngram":
-        raise ConfigError(f"invalid config: speculative_config.method={spec.method!r}: this "
-                          "engine speculates with the 'ngram' method only (no draft models)")
+    if spec.method == "ngram":
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        proposer = DraftSlots()
     times = runner.measure_spec_step_times()
-    return Speculator(NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max),
-                      spec.num_speculative_tokens, config.scheduler.max_model_len,
+    return Speculator(proposer, spec.num_speculative_tokens, config.scheduler.max_model_len,
                       None if times is None else SpeculationSwitch(times))

@@ -23,8 +23,9 @@ from engine.worker.spec_timing import measure_step_times
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
 from engine.worker.inputs import (is_decode_step, prepare_host_inputs, take_placeholders,
                                   to_device)
-from engine.worker.layers import TORCH_OPS, LinearShape, Ops
-from engine.worker.models.gpt2 import KVCache, find_checkpoint, load_gpt2
+from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
+from engine.worker.drafter import Drafter, draft_reserved_bytes, draft_runner_config, find_draft
+from engine.worker.models.gpt2 import GPT2Config, KVCache, find_checkpoint, load_gpt2
 from engine.core.request import SamplingParams
 from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput
 from engine.worker.startup import (StartupCache, StartupPhases, default_cache_dir, device_key,
@@ -32,46 +33,9 @@ from engine.worker.startup import (StartupCache, StartupPhases, default_cache_di
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if name == "triton" and device.type != "cuda":
-        raise ValueError("attention_backend='triton' needs device='cuda'")
-    return name
-
-
-def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig,
-            dtype: torch.dtype, device: torch.device, cache: StartupCache
-            ) -> tuple[Ops, str | None]:
-    """Fused Triton ops go with the Triton backend (imported lazily, so CPU runs need no
-    Triton), the model's linear layers routed by a table measured on this GPU (or kept in
-    `cache` from an earlier start) for the decode batch sizes that CUDA graphs replay; and
-    where that table came from ("cached", "measured"; None: no table)."""
-    if backend != "triton":
-        return TORCH_OPS, None
-    from kernels.backend import measured_triton_ops, triton_ops
-
-    if config.model.enforce_eager:
-        return triton_ops(), None
-    return measured_triton_ops(linear_shapes, capture_sizes(config.scheduler.max_num_seqs),
-                               dtype, device, cache)
+def kv_block_bytes(cfg: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block across all layers."""
+    return 2 * cfg.n_layer * block_size * cfg.n_head * cfg.head_dim * dtype.itemsize
 
 
 class ModelRunner:
@@ -85,6 +49,7 @@ class ModelRunner:
                                           else None)
         start = time.perf_counter()
         model_dir, model_config = find_checkpoint(config.model.model)
+        draft = find_draft(config, model_dir)  # checked against the target before any load
         table_start = time.perf_counter()
         ops, table_source = ops_for(self.attention_backend, model_config.linear_shapes, config,
                                     self.dtype, self.device, self.startup_cache)
@@ -102,6 +67,9 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         # the last launched step's sampled tokens, which the next step's placeholders name
         self._last_step: LaunchedStep | None = None
+        # the draft model's runner (draft_model method), its pool as large as this one's:
+        # set once this pool is sized (engine/worker/drafter.py)
+        self.drafter: Drafter | None = None
         self.block_size = config.cache.block_size
         # a step with drafts samples at each draft too: up to k + 1 logits rows a sequence
         spec = config.speculative
@@ -111,9 +79,11 @@ class ModelRunner:
         start = time.perf_counter()
         self.num_kv_blocks, sizing = ((config.cache.num_kv_blocks, "given")
                                       if config.cache.num_kv_blocks else
-                                      self._num_blocks_that_fit())
+                                      self._num_blocks_that_fit(draft))
         self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
         self.startup.add("KV sizing", time.perf_counter() - start, sizing)
+        if draft is not None:
+            self.drafter = Drafter(ModelRunner(draft_runner_config(config, self.num_kv_blocks)))
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB); %.1f requests fit at the full "
                  "%d-token context; sized in %.1f s", self.num_kv_blocks, self.block_size,
                  self.num_kv_blocks * self.kv_block_bytes / 2**30,
@@ -130,17 +100,19 @@ class ModelRunner:
                 and self.attention_backend == "triton")
 
     def _capture_graphs(self) -> None:
-        """Mixed-step graphs (the larger) first, then decode graphs, in one memory pool."""
+        """Mixed-step graphs (the larger) first, then decode graphs, in one memory pool;
+        with a draft model, each graph runs its forward over the step's inputs too."""
         sched, start, pool = self.config.scheduler, time.perf_counter(), None
+        follower = None if self.drafter is None else self.drafter.follow
         if self.config.model.mixed_step_graphs:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches,
                                             sched.max_num_batched_tokens, sched.max_num_seqs,
                                             self.max_blocks_per_seq, sched.max_model_len,
-                                            self.device, self.max_sample_rows)
+                                            self.device, self.max_sample_rows, follower)
             pool = self.mixed_graphs.capture()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
                                    self.max_blocks_per_seq, self.block_size,
-                                   sched.max_model_len, self.device)
+                                   sched.max_model_len, self.device, follower)
         self.decode_graphs.capture(pool)
         self.startup.add("graphs", time.perf_counter() - start)
         log.info("captured CUDA graphs in %.1f s: decode for batch sizes %s; mixed steps for "
@@ -149,10 +121,7 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        """K and V of one block across all layers."""
-        cfg = self.model.config
-        per_layer = self.block_size * cfg.n_head * cfg.head_dim * self.dtype.itemsize
-        return 2 * cfg.n_layer * per_layer
+        return kv_block_bytes(self.model.config, self.block_size, self.dtype)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         """Zeroed, so never-written slots hold finite values for kernels that load whole blocks."""
@@ -162,16 +131,23 @@ class ModelRunner:
                  torch.zeros(shape, dtype=self.dtype, device=self.device))
                 for _ in range(cfg.n_layer)]
 
-    def _num_blocks_that_fit(self) -> tuple[int, str]:
-        """The blocks that fit, and how the budget was found."""
+    def _num_blocks_that_fit(self, draft: GPT2Config | None) -> tuple[int, str]:
+        """Blocks of this model's pool and, with a draft model, of the draft's beside it; and
+        how the budget was found."""
+        block_bytes = self.kv_block_bytes
+        if draft is not None:
+            block_bytes += kv_block_bytes(draft, self.block_size, self.dtype)
         if self.device.type == "cuda":
             budget, sizing = self._profile_free_cuda_bytes()
+            if draft is not None:
+                budget -= draft_reserved_bytes(draft, self.dtype,
+                                               self.config.scheduler.max_num_seqs)
         else:
             budget, sizing = self.config.cache.cpu_kv_cache_bytes, "cpu budget"
-        num_blocks = budget // self.kv_block_bytes
+        num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache: {budget} bytes available, one "
-                             f"block needs {self.kv_block_bytes}")
+                             f"block needs {block_bytes}")
         return num_blocks, sizing
 
     def _profile_free_cuda_bytes(self) -> tuple[int, str]:
@@ -312,6 +288,8 @@ class ModelRunner:
         if prev_tokens is not None:
             take_placeholders(step, host, sources, prev_tokens)
         hidden = self.model(step.input_ids, step.positions, kv_caches, step.meta)
+        if self.drafter is not None:
+            self.drafter.follow(step.input_ids, step.positions, step.meta)
         return self.model.lm_head(hidden[step.sample_indices]), None
 
     def _prev_sampled(self, out: SchedulerOutput, sources: list[int]) -> torch.Tensor | None:

@@ -1,11 +1,14 @@
 """The step times the speculation switch-off decides from (engine/spec/switch.py), measured
 at startup: a plain decode step T(B), and a speculative step S(B, k) = a verification step
-(B rows of k + 1 tokens; the mixed-step graph of that padded count on CUDA) plus the n-gram
-proposer's host time for B requests, for each batch size B a step can hold and k in 1..K.
+(B rows of k + 1 tokens; the mixed-step graph of that padded count on CUDA) plus the
+proposal: the n-gram proposer's host time for B requests, or the draft model's k decode
+iterations over B rows (`Drafter.fill`, timed with the step), for each batch size B a step
+can hold and k in 1..K.
 
 The synthetic steps read and write the KV of blocks 0.. while nothing is cached yet; every
 sequence of a step shares one block table, which costs the kernels what distinct tables
-would. Times are wall-clock seconds of `runner.execute` (launch, wait), the median of a few.
+would. Times are wall-clock seconds of `runner.execute` (launch, wait), with the drafter's
+fill before it, the median of a few.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def measure_step_times(runner, spec: SpeculativeConfig, sched: SchedulerConfig,
                        repeats: int = 5) -> StepTimes:
-    """`runner`: a ModelRunner (its `execute`, `block_size`, `num_kv_blocks`)."""
+    """`runner`: a ModelRunner (its `execute`, `drafter`, `block_size`, `num_kv_blocks`)."""
     k_max = spec.num_speculative_tokens
     sizes = sorted({b for b in BATCH_SIZES + (sched.max_num_seqs,)
                     if b <= sched.max_num_seqs and b * (k_max + 1) <= sched.max_num_batched_tokens})
@@ -36,7 +39,7 @@ def measure_step_times(runner, spec: SpeculativeConfig, sched: SchedulerConfig,
                   for b in sizes)
     speculative = {}
     for k in range(1, k_max + 1):
-        propose = proposer_seconds(spec, k, context)
+        propose = proposer_seconds(spec, k, context) if spec.method == "ngram" else 0.0
         speculative[k] = tuple(
             _seconds(runner, _step(b, k, context, runner.block_size), repeats) + b * propose
             for b in sizes)
@@ -52,11 +55,16 @@ def _step(batch: int, k: int, context: int, block_size: int) -> SchedulerOutput:
 
 
 def _seconds(runner, step: SchedulerOutput, repeats: int) -> float:
-    runner.execute(step)  # warm-up
+    drafter = runner.drafter if step.num_draft_tokens else None
+
+    def run() -> None:
+        runner.execute(step if drafter is None else drafter.fill(step))
+
+    run()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        runner.execute(step)
+        run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -22,7 +22,7 @@ import torch
 from engine.core.batch import ScheduledSequence
 from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout, stage_draw_inputs
-from engine.worker.cuda_graphs.graph_set import GraphSet, capture_sizes
+from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, capture_sizes
 from engine.worker.sampler import DrawInputs
 
 PADDING_ROW = (0,)  # a padding row attends to position 0 of block 0 (the cache is zeroed)
@@ -36,11 +36,11 @@ def decode_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
 class DecodeGraphs(GraphSet):
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
-                 device: torch.device):
+                 device: torch.device, follower: Follower | None = None):
         sizes = capture_sizes(max_num_seqs)
         super().__init__(model, kv_caches, sizes,
                          decode_meta_layout(sizes[-1], max_blocks_per_seq), device,
-                         lambda tokens, meta: DecodeStager(tokens, meta, block_size))
+                         lambda tokens, meta: DecodeStager(tokens, meta, block_size), follower)
         self.max_model_len = max_model_len
         self.query_start_loc = torch.arange(sizes[-1] + 1, dtype=torch.int32, device=device)
 
@@ -54,9 +54,7 @@ class DecodeGraphs(GraphSet):
             block_tables=self.meta.block_tables[:size], seq_lens=self.meta.seq_lens[:size],
             query_start_loc=self.query_start_loc[:size + 1], max_query_len=1,
             max_seq_len=self.max_model_len)
-        hidden = self.model(self._input_ids(size), self.tokens.positions[:size],
-                            self.kv_caches, meta)
-        return self._logits_and_draws(hidden)
+        return self._logits_and_draws(self._hidden(size, meta))
 
     def run(self, seqs: list[ScheduledSequence], sources: list[int],
             prev_tokens: torch.Tensor | None,

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 
 MIN_MIXED_TOKENS = 16  # the smallest mixed-step graph (tl.dot tiles need 16 rows)
@@ -29,6 +30,9 @@ def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
 
 # builds a stager from the named views of one pinned mirror: (tokens, meta) -> stager
 MakeStager = Callable[[SimpleNamespace, SimpleNamespace], object]
+# runs in every graph beside the model, over the same inputs: (input_ids, positions, meta)
+# (a draft model writing its KV, engine/worker/drafter.py)
+Follower = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None]
 
 
 class GraphSet:
@@ -37,11 +41,14 @@ class GraphSet:
     mirrors fill them in turn: when step N+1 is staged (scheduling ahead), step N's copies
     may still be queued behind step N-1 on the device, so N+1 writes the mirror N-1 used,
     whose copies are done (N-1 was waited for). A subclass defines forward(size): what its
-    graph of that size records, run eagerly (logits and each row's draw)."""
+    graph of that size records, run eagerly (logits and each row's draw). A `follower`
+    runs over every step's inputs after the model (`_hidden`)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: list[int],
-                 meta_layout: BufferLayout, device: torch.device, make_stager: MakeStager):
+                 meta_layout: BufferLayout, device: torch.device, make_stager: MakeStager,
+                 follower: Follower | None = None):
         self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
+        self.follower = follower
         self.token_layout, self.meta_layout = token_layout(sizes[-1]), meta_layout
         self._ids64 = torch.zeros(self.token_layout.size, dtype=torch.int64, device=device)
         self._ids32 = torch.zeros(meta_layout.size, dtype=torch.int32, device=device)
@@ -55,8 +62,15 @@ class GraphSet:
         self.logits: dict[int, torch.Tensor] = {}
         self.drawn: dict[int, torch.Tensor] = {}  # each row's draw from its logits
 
-    def _input_ids(self, size: int) -> torch.Tensor:
-        return self._token_pool.index_select(0, self.tokens.token_source[:size])
+    def _hidden(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's hidden states of the first `size` token rows (the follower's forward
+        over the same rows after it)."""
+        input_ids = self._token_pool.index_select(0, self.tokens.token_source[:size])
+        positions = self.tokens.positions[:size]
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.follower is not None:
+            self.follower(input_ids, positions, meta)
+        return hidden
 
     def _logits_and_draws(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draw reads the model-dtype logits (widened exactly in the kernel): no float32

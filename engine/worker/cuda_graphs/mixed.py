@@ -24,7 +24,7 @@ import torch
 
 from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout, stage_draw_inputs
-from engine.worker.cuda_graphs.graph_set import GraphSet, mixed_capture_sizes
+from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, mixed_capture_sizes
 from engine.worker.inputs import HostInputs
 from engine.worker.sampler import DrawInputs
 
@@ -40,13 +40,14 @@ def mixed_meta_layout(max_seqs: int, max_blocks_per_seq: int,
 class MixedGraphs(GraphSet):
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_batched_tokens: int,
                  max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-                 device: torch.device, max_sample_rows: int | None = None):
+                 device: torch.device, max_sample_rows: int | None = None,
+                 follower: Follower | None = None):
         """max_sample_rows: logits rows a step may sample (max_num_seqs unless drafts make
         it more: max_num_seqs (k + 1))."""
         max_sample_rows = max_sample_rows or max_num_seqs
         super().__init__(model, kv_caches, mixed_capture_sizes(max_num_batched_tokens),
                          mixed_meta_layout(max_num_seqs, max_blocks_per_seq, max_sample_rows),
-                         device, MixedStager)
+                         device, MixedStager, follower)
         self.max_seqs = max_num_seqs
         self.max_sample_rows = max_sample_rows
         self.max_model_len = max_model_len
@@ -69,8 +70,7 @@ class MixedGraphs(GraphSet):
             slot_mapping=self.tokens.slot_mapping[:size], block_tables=m.block_tables[:rows],
             seq_lens=m.seq_lens[:rows], query_start_loc=m.query_start_loc[:rows + 1],
             max_query_len=size, max_seq_len=self.max_model_len)
-        hidden = self.model(self._input_ids(size), self.tokens.positions[:size],
-                            self.kv_caches, meta)
+        hidden = self._hidden(size, meta)
         sampled = m.sample_rows[:self.sample_rows(size)]
         return self._logits_and_draws(hidden.index_select(0, sampled))
 

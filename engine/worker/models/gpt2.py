@@ -57,6 +57,14 @@ class GPT2Config:
         return -(-self.vocab_size // VOCAB_PAD) * VOCAB_PAD
 
     @property
+    def num_parameters(self) -> int:
+        """Weights and biases as loaded (the embedding with its padded rows)."""
+        d, inner = self.n_embd, self.n_inner
+        per_layer = (3 * d * d + 3 * d) + (d * d + d) + (d * inner + inner) + (inner * d + d)
+        return ((self.padded_vocab_size + self.n_positions) * d
+                + self.n_layer * (per_layer + 4 * d) + 2 * d)
+
+    @property
     def linear_shapes(self) -> list[LinearShape]:
         """The four linear layers of a block, as `ops` sees them: QKV and FC take the block's
         add + LayerNorm in their prologue (add_norm_linear), FC its GELU."""

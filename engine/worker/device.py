@@ -1,0 +1,52 @@
+"""Where and how a model runs: the device, dtype and attention backend a config's "auto"
+resolves to, and the ops (torch, or Triton kernels routed by measurement) that go with them.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.core.config import EngineConfig
+from engine.worker.cuda_graphs import capture_sizes
+from engine.worker.layers import TORCH_OPS, LinearShape, Ops
+from engine.worker.startup import StartupCache
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda":
+        raise ValueError("attention_backend='triton' needs device='cuda'")
+    return name
+
+
+def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig,
+            dtype: torch.dtype, device: torch.device, cache: StartupCache
+            ) -> tuple[Ops, str | None]:
+    """Fused Triton ops go with the Triton backend (imported lazily, so CPU runs need no
+    Triton), the model's linear layers routed by a table measured on this GPU (or kept in
+    `cache` from an earlier start) for the decode batch sizes that CUDA graphs replay; and
+    where that table came from ("cached", "measured"; None: no table)."""
+    if backend != "triton":
+        return TORCH_OPS, None
+    from kernels.backend import measured_triton_ops, triton_ops
+
+    if config.model.enforce_eager:
+        return triton_ops(), None
+    return measured_triton_ops(linear_shapes, capture_sizes(config.scheduler.max_num_seqs),
+                               dtype, device, cache)
