@@ -30,6 +30,7 @@ import json
 import random
 import sys
 import time
+from itertools import zip_longest
 from dataclasses import replace
 from pathlib import Path
 
@@ -134,6 +135,19 @@ class Bench:
                 "accepted": stats.num_accepted_tokens, "judged": self.judged}
 
 
+def first_divergence(speculative: list[int], plain: list[int]) -> int | None:
+    """Where speculation's greedy output first left plain decoding's (None: identical). On a
+    GPU in fp16 a verification step's shapes can round a near-tie differently from a decode
+    step's (vLLM documents the same limit), so a run records it, warns, and goes on; the CPU
+    tests (fp32) demand None everywhere."""
+    position = next((i for i, (s, p) in enumerate(zip_longest(speculative, plain)) if s != p),
+                    None)
+    if position is not None:
+        print(f"warning: speculation changed the greedy output at token {position}",
+              flush=True)
+    return position
+
+
 def decode_seconds_per_token(output) -> float:
     """One stream's decode time per token after its first."""
     metrics = output.metrics[0]
@@ -160,12 +174,12 @@ def single_stream(bench: Bench, prompt: list[int], c: float, verify_ratio: dict)
             bench.configure(k)
             before = bench.counters()
             outputs, _ = bench.run([prompt], [reference], a)
-            assert outputs[0].token_ids == reference, "speculation changed the greedy output"
             after = bench.counters()
             expected = expected_tokens(a, k)
             rows.append({"k": k, "a": a, "speedup": plain / decode_seconds_per_token(outputs[0]),
                          "expected": expected / (k * c + 1),
                          "expected_refined": expected / (k * c + verify_ratio.get(k, 1.0)),
+                         "diverged_at": first_divergence(outputs[0].token_ids, reference),
                          **acceptance(before, after)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -206,11 +220,12 @@ def ngram_workload(bench: Bench, rng: random.Random) -> dict:
     bench.configure(k, proposer=NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
     before = bench.counters()
     spec = [bench.run([p])[0][0] for p in prompts]
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     after = bench.counters()
     speedups = [decode_seconds_per_token(p) / decode_seconds_per_token(s)
                 for p, s in zip(plain, spec)]
     return {"k": k, "lookup": [cfg.prompt_lookup_min, cfg.prompt_lookup_max],
+            "diverged_at": [first_divergence(s.token_ids, p.token_ids)
+                            for s, p in zip(spec, plain)],
             "speedup_mean": sum(speedups) / len(speedups), **acceptance(before, after)}
 
 
@@ -251,12 +266,12 @@ def draft_model_stream(args: argparse.Namespace, prompt: list[int]) -> dict:
         bench.configure(k)
         before = bench.counters()
         outputs, _ = bench.run([prompt])
-        assert outputs[0].token_ids == reference, "speculation changed the greedy output"
         measured = acceptance(before, bench.counters())
         step = times and times.at(times.speculative[k], 1)
         rows.append({"k": k, "speedup": plain_seconds / decode_seconds_per_token(outputs[0]),
                      "expected": step and expected_tokens(measured["a_measured"], k)
                      * plain_seconds / step, "speculative_step_ms": step and step * 1e3,
+                     "diverged_at": first_divergence(outputs[0].token_ids, reference),
                      **measured})
         print(json.dumps(rows[-1]), flush=True)
     return {"draft_model": args.draft_model, "plain_ms_per_token": plain_seconds * 1e3,

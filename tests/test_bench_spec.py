@@ -1,5 +1,5 @@
-"""scripts/bench_spec.py end to end at toy sizes on CPU: every sweep runs (asserting on the
-way that speculation leaves the greedy output unchanged) and lands in spec.json."""
+"""scripts/bench_spec.py end to end at toy sizes on CPU: every sweep runs, speculation leaves
+every greedy output unchanged (the runs record where it would not), and lands in spec.json."""
 import json
 
 from bench_spec import main
@@ -19,6 +19,9 @@ def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
     assert all(r["speedup_switch_off"] > 0 for r in result["batches"])
     assert result["ngram"]["k"] == 2 and result["ngram"]["speedup_mean"] > 0
     assert set(result["pipelining"]) == {"async_ms_per_token", "sync_ms_per_token"}
+    # speculation left every greedy output as plain decoding had it
+    assert all(r["diverged_at"] is None for r in result["single_stream"])
+    assert result["ngram"]["diverged_at"] == [None] * 4
 
 
 def test_bench_spec_measures_a_draft_model(tiny_checkpoint, tmp_path):
@@ -30,3 +33,4 @@ def test_bench_spec_measures_a_draft_model(tiny_checkpoint, tmp_path):
     rows = result["single_stream"]
     assert [r["k"] for r in rows] == [1, 2] and all(r["speedup"] > 0 for r in rows)
     assert all(r["a_measured"] == 1.0 for r in rows) and result["plain_ms_per_token"] > 0
+    assert all(r["diverged_at"] is None for r in rows)
