@@ -30,8 +30,8 @@ import json
 import random
 import sys
 import time
-from itertools import zip_longest
 from dataclasses import replace
+from itertools import zip_longest
 from pathlib import Path
 
 from bench_utils import checkpoint_for, device_info, write_result
