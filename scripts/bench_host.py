@@ -24,6 +24,7 @@ from engine.worker.cuda_graphs import (DecodeStager, MixedStager, decode_meta_la
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 from engine.worker.inputs import is_decode_step, prepare_host_inputs
 from engine.worker.sampler import Sampler
+from engine.worker.startup import StartupPhases
 
 PHASES = ("schedule", "launch", "update", "outputs", "step_total")
 
@@ -46,6 +47,7 @@ class NoOpRunner:
         self.mixed_stager = MixedStager(host_views(token_layout(self.mixed_sizes[-1]), np.int64),
                                         host_views(mixed_meta_layout(n, width), np.int32))
         self.sampler = Sampler(config.model.seed)
+        self.startup = StartupPhases()  # nothing to load, compile or size: no phases
         self._steps = 0
 
     def launch(self, out: SchedulerOutput) -> SimpleNamespace:

@@ -102,7 +102,10 @@ class EngineProcess:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 raise EngineStartupError(f"the engine core exited with code "
                                          f"{self._process.exitcode} before it was ready")
-        kind, payload = report.recv()
+        try:
+            kind, payload = report.recv()
+        except EOFError:  # it died while reporting
+            kind, payload = "error", "the engine core exited before it was ready"
         report.close()
         if kind != "ready":
             self._process.join(5)
