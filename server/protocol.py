@@ -272,7 +272,8 @@ def to_sampling_params(req: CompletionRequest, vocab_size: int) -> SamplingParam
         presence_penalty=_default(req.presence_penalty, 0.0),
         frequency_penalty=_default(req.frequency_penalty, 0.0),
         repetition_penalty=_default(req.repetition_penalty, 1.0), logprobs=req.logprobs,
-        logit_bias=tuple(parse_logit_bias(req.logit_bias, vocab_size).items()))
+        logit_bias=tuple(parse_logit_bias(req.logit_bias, vocab_size).items()),
+        output_kind="delta")  # the server streams deltas and answers from the final output
 
 
 def max_tokens_of(req: CompletionRequest) -> int:

@@ -19,9 +19,10 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One of the n choices. `text`/`token_ids` are cumulative; `delta_*` are what this step
-    added (what a stream sends). Text withheld because it may begin a stop string is released
-    later or dropped if the stop string completes."""
+    """One of the n choices. `text`/`token_ids`/`logprobs` are cumulative; `delta_*` are what
+    this step added (what a stream sends). Text withheld because it may begin a stop string is
+    released later or dropped if the stop string completes. With output_kind "delta" the
+    cumulative fields (and RequestMetrics.token_times) stay empty until the choice finishes."""
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)

@@ -37,18 +37,35 @@ class _Choice:
                                        logprobs=[] if params.logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time)
 
+    @property
+    def deltas_only(self) -> bool:
+        """This output may leave the cumulative fields empty: a "delta" request's choice that
+        has not finished (once finished, they are final and shared, never copied again)."""
+        return self.params.output_kind == "delta" and self.output.finish_reason is None
+
     def snapshot(self) -> CompletionOutput:
         """A copy the caller may keep while this choice goes on growing."""
         out = self.output
+        if self.deltas_only:
+            return CompletionOutput(out.index, logprobs=None if out.logprobs is None else [],
+                                    delta_text=out.delta_text,
+                                    delta_token_ids=out.delta_token_ids,
+                                    delta_logprobs=out.delta_logprobs)
         return CompletionOutput(
-            out.index, out.text, list(out.token_ids),
-            None if out.logprobs is None else list(out.logprobs), out.finish_reason,
-            out.stop_reason, out.delta_text, out.delta_token_ids, out.delta_logprobs)
+            out.index, out.text, self._final_or_copy(out.token_ids),
+            None if out.logprobs is None else self._final_or_copy(out.logprobs),
+            out.finish_reason, out.stop_reason, out.delta_text, out.delta_token_ids,
+            out.delta_logprobs)
 
     def metrics_snapshot(self) -> RequestMetrics:
         m = self.metrics
+        token_times = [] if self.deltas_only else self._final_or_copy(m.token_times)
         return RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
-                              list(m.token_times), m.finish_time, m.num_cached_tokens)
+                              token_times, m.finish_time, m.num_cached_tokens)
+
+    def _final_or_copy(self, items: list) -> list:
+        """A finished choice's lists no longer change: shared as they are."""
+        return items if self.output.finish_reason is not None else list(items)
 
 
 @dataclass
@@ -123,7 +140,7 @@ class OutputProcessor:
             except Exception as err:  # one request's failure must not take down the others
                 log.exception("request %s failed while handling its output", group.request_id)
                 to_abort += self._fail(group, f"{type(err).__name__}: {err}")
-            if (choice.params.output_kind == "stream" or group.error is not None
+            if (choice.params.output_kind != "final_only" or group.error is not None
                     or group.finished):
                 changed[group.request_id] = group
         return [self._emit(group) for group in changed.values()], to_abort

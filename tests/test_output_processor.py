@@ -1,0 +1,69 @@
+"""OutputProcessor's output kinds: what an unfinished output carries, and that a finished one
+is whole whichever kind asked for it. Fed StepOutputs by hand: no model."""
+from __future__ import annotations
+
+import pytest
+
+from engine.core.messages import EngineStats, SequenceOutput, StepOutput
+from engine.core.request import SamplingParams
+from engine.output.processor import OutputProcessor
+from engine.output.tokenizer import Tokenizer
+
+STATS = EngineStats(1, 0, 0.0, 0, 0, 0, 1, 1)
+
+
+def step(seq_id: str, tokens: list[int], time: float, finished: bool = False) -> StepOutput:
+    return StepOutput([SequenceOutput(seq_id, tokens, [time] * len(tokens), None,
+                                      "length" if finished else None, None,
+                                      time if finished else None, 0.0, 0)], STATS)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer()
+
+
+def run(tokenizer, output_kind: str):
+    """Two steps of a request with two choices: choice 0 ends at the first, choice 1 at the
+    second. Returns each step's single RequestOutput."""
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", None, [1, 2], SamplingParams(n=2, max_tokens=3,
+                                                     output_kind=output_kind), 0.0)
+    first = StepOutput(step("r#0", [464, 2068], 1.0, finished=True).outputs
+                       + step("r#1", [464, 2068], 1.0).outputs, STATS)
+    (before,), _ = processor.process(first)
+    (after,), _ = processor.process(step("r#1", [7586], 2.0, finished=True))
+    return before, after
+
+
+def test_a_delta_request_gets_deltas_until_its_choice_finishes(tokenizer):
+    first, last = run(tokenizer, "delta")
+    done, running = first.outputs
+    assert done.token_ids == [464, 2068] and done.text == "The quick"  # finished: whole
+    assert running.token_ids == [] and running.text == "" and first.metrics[1].token_times == []
+    assert running.delta_token_ids == [464, 2068] and running.delta_text == "The quick"
+    assert [c.token_ids for c in last.outputs] == [[464, 2068], [464, 2068, 7586]]
+    assert last.outputs[1].text == "The quick brown" and last.finished
+    assert last.metrics[1].token_times == [1.0, 1.0, 2.0]
+
+
+def test_a_stream_request_gets_cumulative_snapshots(tokenizer):
+    first, last = run(tokenizer, "stream")
+    running = first.outputs[1]
+    assert running.token_ids == [464, 2068] and running.text == "The quick"
+    assert first.metrics[1].token_times == [1.0, 1.0]
+    assert last.outputs[1].token_ids == [464, 2068, 7586]
+    assert running.token_ids == [464, 2068]  # the earlier snapshot did not grow
+
+
+def test_final_only_requests_get_one_output(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", None, [1], SamplingParams(max_tokens=3, output_kind="final_only"), 0.0)
+    assert processor.process(step("r#0", [464], 1.0))[0] == []
+    (last,), _ = processor.process(step("r#0", [2068], 2.0, finished=True))
+    assert last.token_ids == [464, 2068] and last.finished
+
+
+def test_an_unknown_output_kind_is_refused():
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="deltas")
