@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.core.config import EngineConfig
+from engine.worker.kv_sizing import KVSizing
 from engine.worker.model_runner import ModelRunner
 from engine.worker.models.gpt2 import GPT2Config
 from engine.worker.startup import StartupCache, default_cache_dir
@@ -129,13 +130,18 @@ def test_kv_sizing_reuses_the_worst_steps_bytes_while_nothing_changed(tiny_check
     assert "KV sizing" in runner.startup.summary() and "(given)" in runner.startup.summary()
     FakeCudaMemory(monkeypatch)
     measure = Measure(300 << 20)
-    runner._worst_step_bytes = measure
     runner.startup_cache = StartupCache(tmp_path)
     expected = int((10 << 30) * 0.9) - (1 << 30) - (100 << 20) - (300 << 20)
-    assert runner._profile_free_cuda_bytes() == (expected, "profiled")
-    assert runner._profile_free_cuda_bytes() == (expected, "cached")
+
+    def sizing() -> KVSizing:
+        kv_sizing = KVSizing(runner, None)
+        kv_sizing.worst_step_bytes = measure
+        return kv_sizing
+
+    assert sizing().free_cuda_bytes() == (expected, "profiled")
+    assert sizing().free_cuda_bytes() == (expected, "cached")
     assert measure.runs == 1
     runner.config = dataclasses.replace(config, scheduler=dataclasses.replace(
         config.scheduler, max_num_batched_tokens=512))
-    assert runner._profile_free_cuda_bytes() == (expected, "profiled")
+    assert sizing().free_cuda_bytes() == (expected, "profiled")
     assert measure.runs == 2

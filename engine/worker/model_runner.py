@@ -6,37 +6,29 @@ come back with one host sync per step.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.worker.attention import get_attention_backend
-from engine.core.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.spec.switch import StepTimes
 from engine.worker.draft_rows import position_rows, verify_drafts
 from engine.worker.spec_timing import measure_step_times
-from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs, capture_sizes, mixed_capture_sizes
+from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 from engine.worker.inputs import (is_decode_step, prepare_host_inputs, take_placeholders,
                                   to_device)
 from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
-from engine.worker.drafter import Drafter, draft_reserved_bytes, draft_runner_config, find_draft
-from engine.worker.models.gpt2 import GPT2Config, KVCache, find_checkpoint, load_gpt2
-from engine.core.request import SamplingParams
+from engine.worker.drafter import Drafter, draft_runner_config, find_draft
+from engine.worker.kv_sizing import KVSizing, kv_block_bytes
+from engine.worker.models.gpt2 import KVCache, find_checkpoint, load_gpt2
 from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput
-from engine.worker.startup import (StartupCache, StartupPhases, default_cache_dir, device_key,
-                                   source_hash)
+from engine.worker.startup import StartupCache, StartupPhases, default_cache_dir
 
 log = logging.getLogger(__name__)
-
-def kv_block_bytes(cfg: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block across all layers."""
-    return 2 * cfg.n_layer * block_size * cfg.n_head * cfg.head_dim * dtype.itemsize
-
 
 class ModelRunner:
     def __init__(self, config: EngineConfig):
@@ -79,8 +71,8 @@ class ModelRunner:
         start = time.perf_counter()
         self.num_kv_blocks, sizing = ((config.cache.num_kv_blocks, "given")
                                       if config.cache.num_kv_blocks else
-                                      self._num_blocks_that_fit(draft))
-        self.kv_caches = self._allocate_kv_cache(self.num_kv_blocks)
+                                      KVSizing(self, draft).num_blocks())
+        self.kv_caches = self.allocate_kv_cache(self.num_kv_blocks)
         self.startup.add("KV sizing", time.perf_counter() - start, sizing)
         if draft is not None:
             self.drafter = Drafter(ModelRunner(draft_runner_config(config, self.num_kv_blocks)))
@@ -89,11 +81,11 @@ class ModelRunner:
                  self.num_kv_blocks * self.kv_block_bytes / 2**30,
                  self.num_kv_blocks / self.max_blocks_per_seq, config.scheduler.max_model_len,
                  time.perf_counter() - start)
-        if self._uses_graphs:
+        if self.uses_graphs:
             self._capture_graphs()
 
     @property
-    def _uses_graphs(self) -> bool:
+    def uses_graphs(self) -> bool:
         """Graphs need CUDA and a backend whose launches depend on no host values (the torch
         reference loops over sequences on the host)."""
         return (self.device.type == "cuda" and not self.config.model.enforce_eager
@@ -123,102 +115,13 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         return kv_block_bytes(self.model.config, self.block_size, self.dtype)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
+    def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         """Zeroed, so never-written slots hold finite values for kernels that load whole blocks."""
         cfg = self.model.config
         shape = (num_blocks, self.block_size, cfg.n_head, cfg.head_dim)
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device))
                 for _ in range(cfg.n_layer)]
-
-    def _num_blocks_that_fit(self, draft: GPT2Config | None) -> tuple[int, str]:
-        """Blocks of this model's pool and, with a draft model, of the draft's beside it; and
-        how the budget was found."""
-        block_bytes = self.kv_block_bytes
-        if draft is not None:
-            block_bytes += kv_block_bytes(draft, self.block_size, self.dtype)
-        if self.device.type == "cuda":
-            budget, sizing = self._profile_free_cuda_bytes()
-            if draft is not None:
-                budget -= draft_reserved_bytes(draft, self.dtype,
-                                               self.config.scheduler.max_num_seqs)
-        else:
-            budget, sizing = self.config.cache.cpu_kv_cache_bytes, "cpu budget"
-        num_blocks = budget // block_bytes
-        if num_blocks < 1:
-            raise ValueError(f"no memory left for the KV cache: {budget} bytes available, one "
-                             f"block needs {block_bytes}")
-        return num_blocks, sizing
-
-    def _profile_free_cuda_bytes(self) -> tuple[int, str]:
-        """gpu_memory_utilization of the GPU, less what other processes and the CUDA context
-        hold and the peak of a worst-case step (weights + activations + sampling); the step's
-        bytes above the weights come from the startup cache when an earlier start measured
-        them with nothing changed ("cached"), else from running the step ("profiled")."""
-        torch.cuda.empty_cache()
-        weights = torch.cuda.memory_allocated(self.device)
-        step_bytes, cached = self.startup_cache.get_or_measure(
-            "worst-step-bytes", self._worst_step_key(), self._worst_step_bytes)
-        free, total = torch.cuda.mem_get_info(self.device)
-        held_elsewhere = total - free - torch.cuda.memory_reserved(self.device)
-        budget = (int(total * self.config.cache.gpu_memory_utilization) - held_elsewhere
-                  - weights - step_bytes - self._graph_memory_estimate(step_bytes))
-        return budget, "cached" if cached else "profiled"
-
-    def _worst_step_bytes(self) -> int:
-        """Peak memory of the worst-case step above what was allocated before it."""
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        step, num_blocks = self._profile_step()
-        self._launch(step, self._allocate_kv_cache(num_blocks)).wait()  # a scratch cache
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        return peak - before
-
-    def _worst_step_key(self) -> dict:
-        """Everything the worst-case step's memory depends on: the device and libraries, the
-        model's shapes and dtype, the limits that size the step, and the code that runs it."""
-        sched = self.config.scheduler
-        return {**device_key(self.device), "model": dataclasses.asdict(self.model.config),
-                "dtype": str(self.dtype), "attention_backend": self.attention_backend,
-                "block_size": self.block_size, "max_drafts": self.max_drafts,
-                "max_num_batched_tokens": sched.max_num_batched_tokens,
-                "max_num_seqs": sched.max_num_seqs, "max_model_len": sched.max_model_len,
-                "source": source_hash("engine/worker", "kernels")}
-
-    def _graph_memory_estimate(self, step_bytes: int) -> int:
-        """Graphs are captured after the cache is allocated, so their pool is set aside up
-        front: the logits that every captured size keeps (its outputs live between
-        replays), plus the largest step's working memory (`step_bytes`, what the profiled
-        worst-case step took above the weights), plus a margin."""
-        if not self._uses_graphs:
-            return 0
-        sched = self.config.scheduler
-        rows = sum(capture_sizes(sched.max_num_seqs))
-        if self.config.model.mixed_step_graphs:
-            rows += sum(min(size, self.max_sample_rows)
-                        for size in mixed_capture_sizes(sched.max_num_batched_tokens))
-        logits_row = self.model.config.padded_vocab_size * self.dtype.itemsize
-        return rows * logits_row + step_bytes + (256 << 20)
-
-    def _profile_step(self) -> tuple[SchedulerOutput, int]:
-        """The worst-case step: the full token budget over as many sequences as may run at
-        once, each sampling with the sort-based filters (and at up to k drafts, when
-        speculating); and the blocks it needs."""
-        sched = self.config.scheduler
-        num_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
-        lens = [min(sched.max_model_len, len(chunk))
-                for chunk in np.array_split(np.arange(sched.max_num_batched_tokens), num_seqs)]
-        params = SamplingParams(top_k=50, top_p=0.9)
-        seqs, next_block = [], 0
-        for i, n in enumerate(lens):
-            num_blocks = -(-n // self.block_size)
-            block_ids = list(range(next_block, next_block + num_blocks))
-            seqs.append(ScheduledSequence(f"profile-{i}", [0] * n, 0, block_ids, True, params,
-                                          num_drafts=min(n - 1, self.max_drafts)))
-            next_block += num_blocks
-        num_drafts = sum(s.num_drafts for s in seqs)
-        return SchedulerOutput(seqs, num_draft_tokens=num_drafts), next_block
 
     def measure_spec_step_times(self) -> StepTimes | None:
         """The speculation switch-off's step times (engine/worker/spec_timing.py), on CUDA
@@ -242,10 +145,11 @@ class ModelRunner:
         """Queue the step on the device and start copying its tokens back; returns at once.
         Placeholder tokens are read from step `out.step_id - 1`'s sampled tokens on the device,
         the step launched just before."""
-        return self._launch(out, self.kv_caches)
+        return self.launch_on(out, self.kv_caches)
 
     @torch.inference_mode()
-    def _launch(self, out: SchedulerOutput, kv_caches: list[KVCache]) -> PendingStep:
+    def launch_on(self, out: SchedulerOutput, kv_caches: list[KVCache]) -> PendingStep:
+        """launch() into the given caches (KV sizing's worst-case step runs on a scratch one)."""
         to_sample = [s for s in out.sequences if s.sample]
         rows = position_rows(to_sample) if out.num_draft_tokens else to_sample
         draw_inputs = self.sampler.draw_inputs(rows)
