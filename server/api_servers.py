@@ -77,18 +77,18 @@ def _supervise(servers: list[multiprocessing.process.BaseProcess], core: EngineP
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    core_reported = False
+    watched = [server.sentinel for server in servers] + [core.sentinel]
     while not stop_requested:
-        wait([server.sentinel for server in servers] + [core.sentinel], timeout=0.5)
+        wait(watched, timeout=0.5)
         exited = [server for server in servers if server.exitcode is not None]
         if exited:
             logger.error("API server %s exited with code %s; stopping the others",
                          exited[0].name, exited[0].exitcode)
             return True
-        if core.exitcode is not None and not core_reported:
+        if core.sentinel in watched and core.exitcode is not None:
             logger.error("the engine core exited with code %s; the API servers answer 503",
                          core.exitcode)
-            core_reported = True
+            watched.remove(core.sentinel)  # a dead process's sentinel stays readable
     return False
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import httpx
 import pytest
@@ -112,8 +113,16 @@ def test_a_dead_engine_core_turns_every_api_server_unhealthy(tiny_checkpoint, tm
         # a fresh connection each time: any of the two servers may take it
         assert wait_for(lambda: all(httpx.get(server.url + "/health", headers={
             "Connection": "close"}).status_code == 503 for _ in range(8)), timeout=10)
+        before = cpu_seconds(server.proc.pid)
+        time.sleep(2)
+        assert cpu_seconds(server.proc.pid) - before < 0.5  # the supervisor does not spin
     finally:
         server.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def test_sigterm_stops_every_process(servers_to_stop):
