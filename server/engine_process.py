@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -72,7 +73,7 @@ class CoreInfo:
     attention_backend: str
     num_kv_blocks: int
     pool_tokens: int
-    startup_phases: str  # "load 1.2 s, skinny table 0.1 s (cached), ..."
+    startup_phases: str  # "process start 2.1 s, load 1.2 s, skinny table 0.1 s (cached), ..."
 
 
 class EngineProcess:
@@ -89,7 +90,7 @@ class EngineProcess:
         self._process = context.Process(
             target=_core_main, name="engine-core", daemon=True,
             args=(config, to_core, from_core, child_report, os.getpid(),
-                  logging.getLogger().level))
+                  logging.getLogger().level, time.time()))
         self._process.start()
         child_report.close()
         resolved = self._wait_ready(report)
@@ -140,11 +141,12 @@ class EngineProcess:
 # ---- the child process ----
 
 def _core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
-               report: Connection, parent_pid: int, log_level: int) -> None:
+               report: Connection, parent_pid: int, log_level: int, spawned_at: float) -> None:
     die_with_parent()
     logging.basicConfig(level=log_level, format=LOG_FORMAT)  # a spawned process starts bare
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from engine.core.engine_core import EngineCore, run_core_loop  # torch: in the child only
+    started = f"process start {time.time() - spawned_at:.1f} s"  # interpreter, torch import
 
     try:
         core = EngineCore(config)
@@ -165,7 +167,8 @@ def _core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
     report.send(("ready", dict(
         device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
         attention_backend=runner.attention_backend, num_kv_blocks=runner.num_kv_blocks,
-        pool_tokens=core.block_manager.num_tokens, startup_phases=runner.startup.summary())))
+        pool_tokens=core.block_manager.num_tokens,
+        startup_phases=", ".join(filter(None, (started, runner.startup.summary()))))))
     report.close()
     tune_gc()
     decoder, encoder = msgspec.msgpack.Decoder(ToCore), msgspec.msgpack.Encoder()

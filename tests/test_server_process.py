@@ -112,3 +112,5 @@ def test_the_engine_core_logs_its_startup_phases_beside_the_server(server):
     log = server.log()
     assert re.search(r"engine\.worker\.model_runner: loaded .* in \d+\.\d s", log)
     assert re.search(r"KV cache: 128 blocks .* sized in \d+\.\d s", log)
+    assert re.search(r"ready in \d+\.\d s: process start \d+\.\d s, load \d+\.\d s, KV "
+                     r"sizing \d+\.\d s \(given\)", log)

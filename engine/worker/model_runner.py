@@ -39,6 +39,10 @@ class ModelRunner:
         self.startup = StartupPhases()
         self.startup_cache = StartupCache(default_cache_dir() if config.model.startup_cache
                                           else None)
+        if self.device.type == "cuda":  # the context, timed apart from the load
+            start = time.perf_counter()
+            torch.empty(1, device=self.device)
+            self.startup.add("CUDA init", time.perf_counter() - start)
         start = time.perf_counter()
         model_dir, model_config = find_checkpoint(config.model.model)
         draft = find_draft(config, model_dir)  # checked against the target before any load
