@@ -26,7 +26,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.output.tokenizer import Tokenizer
-from server.async_engine import AsyncEngine, CoreConnection, RequestFailed, shutting_down
+from server.async_engine import (AsyncEngine, CoreConnection, RequestFailed, server_error,
+                                 shutting_down)
 from server.completions import CompletionService
 from server.metrics import ServerMetrics, ThroughputLog
 from server.protocol import (CompletionRequest, DetokenizeRequest, Limits, RequestError,
@@ -205,8 +206,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def on_internal_error(_: Request, err: Exception) -> JSONResponse:
         """Starlette re-raises unexpected errors after this, so uvicorn logs the traceback."""
-        return _error_response(RequestError("internal server error", code="internal_error",
-                                            status=500, err_type="internal_server_error"))
+        return _error_response(server_error("internal server error", "internal_error"))
 
 
 class ApiKeyMiddleware:

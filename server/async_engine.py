@@ -54,8 +54,7 @@ class RequestFailed(RuntimeError):
 
     def __init__(self, message: str, status: int = 500, code: str = "internal_error") -> None:
         super().__init__(message)
-        err_type = "service_unavailable" if status == 503 else "internal_server_error"
-        self.error = RequestError(message, code=code, status=status, err_type=err_type)
+        self.error = server_error(message, code, status)
 
 
 def shutting_down() -> RequestFailed:
@@ -68,8 +67,10 @@ class ClientDisconnected(Exception):
     """The client went away; its engine requests are already aborted."""
 
 
-def service_unavailable(message: str, code: str) -> RequestError:
-    return RequestError(message, code=code, status=503, err_type="service_unavailable")
+def server_error(message: str, code: str, status: int = 500) -> RequestError:
+    """The server's side failed, not the client's input: 503 while it may pass, else 500."""
+    err_type = "service_unavailable" if status == 503 else "internal_server_error"
+    return RequestError(message, code=code, status=status, err_type=err_type)
 
 
 Ready = list[tuple[int, RequestOutput]]  # (prompt index, output), oldest first
@@ -192,11 +193,11 @@ class AsyncEngine:
                                f"prompts x n={params.n}); the server queues at most {cap}",
                                param="prompt", code="too_many_sequences")
         if self.num_waiting + cost > cap:
-            raise service_unavailable(
+            raise server_error(
                 f"the server has {self.num_waiting} sequences waiting (limit {cap}); "
-                "retry shortly", code="queue_full")
+                "retry shortly", "queue_full", 503)
         if not self.healthy:
-            raise service_unavailable("the engine is not running", code="engine_dead")
+            raise server_error("the engine is not running", "engine_dead", 503)
         for prompt in prompts:
             try:
                 check_fits(len(prompt), params.max_tokens, self.connection.max_model_len,

@@ -206,7 +206,8 @@ class _Reply:
         return self.service.tokenizer.decode(self.prompts[prompt_index])
 
     def _logprobs(self, index: int, token_ids: list[int],
-                  logprobs: list[TokenLogprobs | None] | None, skip: int) -> CompletionLogprobs | None:
+                  logprobs: list[TokenLogprobs | None] | None,
+                  skip: int) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
             return None
         offset = self.text_offsets.get(index, 0) + skip
