@@ -32,6 +32,8 @@ BAD_BODIES = [
     ({"prompt": ["ok", ""]}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [True]}, "prompt"),
+    ({"prompt": [[5, True]]}, "prompt"),
+    ({"prompt": [5, 1.0]}, "prompt"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": None}, "prompt"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
