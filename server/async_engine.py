@@ -123,8 +123,11 @@ class Generation:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Ready]:
-        while self._unfinished:
-            await self._wakeup.wait()
+        """Until every request finished: what is ready, then the failure if one came (also
+        one that came before the consumer started: it must not read as a clean end)."""
+        while True:
+            if not self._ready and self._end is None and self._unfinished:
+                await self._wakeup.wait()
             self._wakeup.clear()
             ready, self._ready = self._ready, []
             if ready:
@@ -134,6 +137,8 @@ class Generation:
                 yield ready
             if self._end is not None:
                 raise self._end
+            if not self._unfinished:
+                return
 
     def _leave_waiting(self, request_id: str) -> None:
         if request_id in self._waiting:
@@ -155,6 +160,7 @@ class AsyncEngine:
         self.num_waiting = 0  # sequences with no output yet
         self.stats: EngineStats | None = None  # the core's state after its latest step
         self._routes: dict[str, tuple[Generation, int]] = {}  # engine request id -> owner
+        self._steps: list[StepOutput] = []  # delivered, applied once the batch is in
         self._accepting = False
         self._last_progress = time.monotonic()  # the core's latest step, or work arriving
 
@@ -233,20 +239,30 @@ class AsyncEngine:
 
     # ---- messages from the core, on the event loop ----
     def _deliver(self, message: FromCore) -> None:
+        """Steps delivered together (the connection drains every message that has arrived in
+        one go) are applied together, once the batch is in: one output per request for all
+        of them. Any other message applies the steps before it first."""
         if isinstance(message, StepOutput):
-            self._on_step(message)
-        elif isinstance(message, SequenceFailed):
+            if not self._steps:
+                asyncio.get_running_loop().call_soon(self._on_steps)
+            self._steps.append(message)
+            return
+        self._on_steps()
+        if isinstance(message, SequenceFailed):
             self._fail_request(message.seq_id.rsplit("#", 1)[0], message.message)
         elif isinstance(message, CoreFailed):
             logger.error("%s", message.message)
             self._accepting = False
             self.fail_open(lambda: RequestFailed(message.message))
 
-    def _on_step(self, step: StepOutput) -> None:
+    def _on_steps(self) -> None:
+        steps, self._steps = self._steps, []
+        if not steps:
+            return
         self._last_progress = time.monotonic()
-        self.stats = step.stats
-        self._observe_stats(step.stats)
-        outputs, to_abort = self.processor.process(step)
+        self.stats = steps[-1].stats
+        self._observe_stats(self.stats)  # gauges, and counters from cumulative counts
+        outputs, to_abort = self.processor.process(*steps)
         if to_abort:
             self.connection.send(AbortSequences(to_abort))
         for output in outputs:

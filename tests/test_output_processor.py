@@ -67,3 +67,14 @@ def test_final_only_requests_get_one_output(tokenizer):
 def test_an_unknown_output_kind_is_refused():
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="deltas")
+
+
+def test_steps_applied_together_give_one_output_with_all_their_deltas(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", None, [1], SamplingParams(max_tokens=3, output_kind="delta"), 0.0)
+    (output,), _ = processor.process(step("r#0", [464], 1.0), step("r#0", [2068], 2.0),
+                                     step("r#0", [7586], 3.0, finished=True))
+    choice = output.outputs[0]
+    assert choice.delta_token_ids == [464, 2068, 7586] and choice.delta_text == "The quick brown"
+    assert choice.token_ids == [464, 2068, 7586] and output.finished
+    assert output.metrics[0].token_times == [1.0, 2.0, 3.0]

@@ -2,7 +2,7 @@
 n choices (sequence "{id}#{i}" is choice i), their text (incremental detokenizing, stop
 strings) and their timings, and builds one RequestOutput per request that changed in a step.
 
-    StepOutput ──▶ process() ──▶ RequestOutputs
+    StepOutputs ──▶ process() ──▶ RequestOutputs, one per request that changed
                         └──▶ sequences a stop string ended: the caller aborts them in the core
 
 It runs beside the core (offline `LLM`) or in the API server's process (server/), so the
@@ -123,12 +123,14 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._groups)
 
-    def process(self, step: StepOutput) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step. Returns the outputs of requests that changed, and the sequences to
-        abort in the core (a stop string ended them, or handling their output failed)."""
+    def process(self, *steps: StepOutput) -> tuple[list[RequestOutput], list[str]]:
+        """Apply steps, in order. Returns one output per request that changed (carrying every
+        step's deltas: a frontend that fell behind the core builds one output per request,
+        not one per request and step), and the sequences to abort in the core (a stop string
+        ended them, or handling their output failed)."""
         changed: dict[str, _Group] = {}
         to_abort: list[str] = []
-        for seq in step.outputs:
+        for seq in (seq for step in steps for seq in step.outputs):
             owner = self._choice_of.get(seq.seq_id)
             if owner is None:
                 continue  # aborted since its token was sampled
