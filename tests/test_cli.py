@@ -3,6 +3,7 @@ picked from the model's name."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -53,6 +54,22 @@ def test_startup_failure_is_one_line(argv, line, tiny_checkpoint):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(line), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_busy_port_fails_several_api_servers_before_the_engine_starts(tiny_checkpoint):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc = serve("--model", str(tiny_checkpoint), "--host", "127.0.0.1", "--port",
+                     str(taken.getsockname()[1]), "--api-server-count", "2")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("gpt2-serve: error: [Errno 98]")
+    assert "Traceback" not in proc.stderr and "engine core" not in proc.stderr
+
+
+def test_api_server_count_must_be_positive(tiny_checkpoint):
+    proc = serve("--model", str(tiny_checkpoint), "--api-server-count", "0")
+    assert proc.returncode == 2 and "--api-server-count must be >= 1" in proc.stderr
 
 
 def test_debug_log_level_shows_the_traceback(tiny_checkpoint):
