@@ -1,0 +1,121 @@
+"""The engine that scripts/bench_spec.py measures, and what a run reads off it: one LLM
+configured to speculate with the largest k, re-configured per measurement (proposer, draft
+length, switch), with the counters, acceptance and divergence from plain decoding of a run.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from itertools import zip_longest
+
+from bench_utils import checkpoint_for
+
+from engine import LLM, SamplingParams
+from engine.spec.oracle import OracleProposer
+
+VOCAB = 50257
+
+
+def numbers(text: str, kind=float) -> list:
+    return [kind(x) for x in text.split(",")]
+
+
+def largest_k(args: argparse.Namespace) -> int:
+    return max(numbers(args.ks, int) + [args.batch_k])
+
+
+NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+class Bench:
+    """One engine, configured to speculate with the largest k (`speculative`: vLLM's dict
+    less num_speculative_tokens; None: no speculation); each measurement sets its proposer,
+    draft length and switch."""
+
+    def __init__(self, args: argparse.Namespace, speculative: dict | None = NGRAM,
+                 **overrides) -> None:
+        self.args = args
+        dtype = args.dtype or ("float16" if args.device == "cuda" else "float32")
+        spec = None if speculative is None else {**speculative,
+                                                 "num_speculative_tokens": largest_k(args)}
+        self.llm = LLM(model=checkpoint_for(args.model), device=args.device, dtype=dtype,
+                       max_num_seqs=max(numbers(args.batches, int)),
+                       speculative_config=spec, **overrides)
+        self.engine = self.llm.engine
+        self.speculator = self.engine.core.speculator
+        self._next = 0
+        self.judged = 0  # drafts the target judged: a row's run ends at its first rejection
+        if self.speculator is None:
+            return
+        self.measured_switch = self.speculator.switch  # None off CUDA
+        observe = self.speculator.observe
+
+        def observe_judged(num_drafts: int, num_accepted: int) -> None:
+            self.judged += num_accepted + (num_accepted < num_drafts)
+            observe(num_drafts, num_accepted)
+
+        self.speculator.observe = observe_judged
+
+    def configure(self, k: int, proposer=None, switch=None) -> None:
+        self.speculator.max_k = k
+        self.speculator.proposer = proposer or self.speculator.proposer
+        self.speculator.switch = switch
+
+    def run(self, prompts: list[list[int]], references: list[list[int]] | None = None,
+            rate: float = 0.0) -> tuple[list, float]:
+        """Greedy outputs of the prompts and the wall seconds; with references, the oracle
+        replays them at acceptance rate `rate`."""
+        ids = [f"b{self._next + i}" for i in range(len(prompts))]
+        self._next += len(prompts)
+        if references is not None:
+            oracle = OracleProposer(rate, VOCAB, seed=self._next)
+            for request_id, reference in zip(ids, references):
+                oracle.add(f"{request_id}#0", reference)
+            self.speculator.proposer = oracle
+        params = SamplingParams(temperature=0.0, max_tokens=self.args.output_len,
+                                ignore_eos=True)
+        start = time.perf_counter()
+        for request_id, prompt in zip(ids, prompts):
+            self.engine.add_request(request_id, prompt, params)
+        done = {}
+        while len(done) < len(ids):
+            done.update({o.request_id: o for o in self.engine.step() if o.finished})
+        return [done[i] for i in ids], time.perf_counter() - start
+
+    def counters(self) -> dict:
+        stats = self.speculator.stats
+        return {"drafts": stats.num_drafts, "draft_tokens": stats.num_draft_tokens,
+                "accepted": stats.num_accepted_tokens, "judged": self.judged}
+
+
+def first_divergence(speculative: list[int], plain: list[int]) -> int | None:
+    """Where speculation's greedy output first left plain decoding's (None: identical). On a
+    GPU in fp16 a verification step's shapes can round a near-tie differently from a decode
+    step's (vLLM documents the same limit), so a run records it, warns, and goes on; the CPU
+    tests (fp32) demand None everywhere."""
+    position = next((i for i, (s, p) in enumerate(zip_longest(speculative, plain)) if s != p),
+                    None)
+    if position is not None:
+        print(f"warning: speculation changed the greedy output at token {position}",
+              flush=True)
+    return position
+
+
+def decode_seconds_per_token(output) -> float:
+    """One stream's decode time per token after its first."""
+    metrics = output.metrics[0]
+    return (metrics.finish_time - metrics.first_token_time) / (len(output.token_ids) - 1)
+
+
+def acceptance(before: dict, after: dict) -> dict:
+    """Counters over a run: accepted / drafted, and a = accepted / judged, which the oracle
+    must reproduce."""
+    d = {name: after[name] - before[name] for name in after}
+    return {"accepted_over_drafted": d["accepted"] / max(d["draft_tokens"], 1),
+            "a_measured": d["accepted"] / max(d["judged"], 1),
+            "mean_accepted_length": 1 + d["accepted"] / max(d["drafts"], 1)}
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB - 1) for _ in range(n)]
