@@ -30,11 +30,9 @@ from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence, SchedulerOut
 from engine.core.config import EngineConfig, check_draft_model
 from engine.core.request import SamplingParams
 from engine.worker.attention import AttentionMetadata
-from engine.worker.cuda_graphs import capture_sizes
 from engine.worker.models.gpt2 import GPT2Config, find_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0)
-GRAPH_MARGIN = 256 << 20  # the draft's decode graphs' working memory, set aside on CUDA
 
 
 def find_draft(config: EngineConfig, target_dir: Path) -> GPT2Config | None:
@@ -58,13 +56,6 @@ def draft_runner_config(config: EngineConfig, num_kv_blocks: int) -> EngineConfi
     return replace(config, model=replace(config.model, model=config.speculative.model,
                                          mixed_step_graphs=False),
                    cache=replace(config.cache, num_kv_blocks=num_kv_blocks), speculative=None)
-
-
-def draft_reserved_bytes(draft: GPT2Config, dtype: torch.dtype, max_num_seqs: int) -> int:
-    """CUDA memory the draft takes beside its KV pool, set aside when the target sizes the
-    pools (the draft loads after): its weights, its decode graphs' logits rows, a margin."""
-    logits = sum(capture_sizes(max_num_seqs)) * draft.padded_vocab_size * dtype.itemsize
-    return draft.num_parameters * dtype.itemsize + logits + GRAPH_MARGIN
 
 
 class Drafter:

@@ -24,11 +24,10 @@ from engine.core.batch import ScheduledSequence, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.worker.cuda_graphs import capture_sizes, mixed_capture_sizes
-from engine.worker.drafter import draft_reserved_bytes
 from engine.worker.models.gpt2 import GPT2Config
 from engine.worker.startup import device_key, source_hash
 
-GRAPH_MARGIN = 256 << 20  # bytes the graph pool estimate adds for what it does not count
+GRAPH_MARGIN = 256 << 20  # bytes a graph pool estimate adds for what it does not count
 
 
 def kv_block_bytes(cfg: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
@@ -117,7 +116,16 @@ class KVSizing:
         return rows * logits_row + step_bytes + GRAPH_MARGIN
 
 
-def worst_step(config: EngineConfig, block_size: int, max_drafts: int) -> tuple[SchedulerOutput, int]:
+def draft_reserved_bytes(draft: GPT2Config, dtype: torch.dtype, max_num_seqs: int) -> int:
+    """CUDA memory the draft model takes beside its KV pool, set aside when the target sizes
+    the pools (the draft loads after): its weights, its decode graphs' logits rows, a
+    margin."""
+    logits = sum(capture_sizes(max_num_seqs)) * draft.padded_vocab_size * dtype.itemsize
+    return draft.num_parameters * dtype.itemsize + logits + GRAPH_MARGIN
+
+
+def worst_step(config: EngineConfig, block_size: int,
+               max_drafts: int) -> tuple[SchedulerOutput, int]:
     """The worst-case step: the full token budget over as many sequences as may run at once,
     each sampling with the sort-based filters (and at up to k drafts, when speculating); and
     the blocks it needs."""
