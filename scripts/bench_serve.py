@@ -10,12 +10,14 @@ the HTTP server (its engine core in its own process) driven by `gpt2-bench`.
      rate20   20 requests/s (TTFT and ITL p99 at low load)
      single   one request at a time (median ITL against offline single-stream decode)
      sweep    --sweep-rates, distinct prompts per rate, with a PNG when matplotlib is there
+With --client-cpus the load generator and the server run on disjoint CPUs.
 Writes serve_<model>.json (GPU name, every summary, served_to_offline) beside the sweep files.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +26,7 @@ import torch
 
 from bench_utils import ROOT, checkpoint_for, device_info, write_result
 from bench_offline import random_prompts, run_engine
-from launch import launch_server, stop_server
+from launch import launch_server, parse_cpus, pin_to, stop_server
 from engine import LLM
 
 
@@ -41,11 +43,13 @@ def offline(checkpoint: str, preset: Path, args: argparse.Namespace) -> dict:
             1e3 * single["seconds"] / args.output_len}
 
 
-def bench(url: str, out: Path, name: str, *flags: str) -> dict:
+def bench(url: str, out: Path, name: str, *flags: str, cpus: set[int] | None) -> dict:
+    """One gpt2-bench run on `cpus` (None: any); its summary."""
     result = out / f"serve_{name}.json"
     subprocess.run([sys.executable, "-m", "server.bench.cli", "--base-url", url,
                     "--disable-tqdm", "--percentiles", "50,99",
-                    "--result-file", str(result), *flags], cwd=ROOT, check=True)
+                    "--result-file", str(result), *flags], cwd=ROOT, check=True,
+                   preexec_fn=pin_to(cpus))
     return json.loads(result.read_text())
 
 
@@ -55,16 +59,16 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def low_load_runs(url: str, out: Path, name: str, args: argparse.Namespace,
-                  shape: list[str]) -> dict:
+                  shape: list[str], cpus: set[int] | None) -> dict:
     return {
         "rate20": bench(url, out, f"{name}_rate20", *shape, "--num-prompts", "200",
-                        "--request-rate", "20", "--seed", "12"),
+                        "--request-rate", "20", "--seed", "12", cpus=cpus),
         "single": bench(url, out, f"{name}_single", *shape, "--num-prompts", "20",
-                        "--max-concurrency", "1", "--seed", "13"),
+                        "--max-concurrency", "1", "--seed", "13", cpus=cpus),
         "sweep": bench(url, out, f"{name}_sweep", *shape, "--num-prompts",
                        str(args.sweep_prompts), "--sweep-rates", args.sweep_rates,
                        "--num-workers", str(args.num_workers), "--seed", "14",
-                       "--plot", str(out / f"serve_{name}_sweep.png")),
+                       "--plot", str(out / f"serve_{name}_sweep.png"), cpus=cpus),
     }
 
 
@@ -84,13 +88,20 @@ def main() -> None:
                         "medians")
     parser.add_argument("--sweep-rates", default="10,40,160,640,inf")
     parser.add_argument("--sweep-prompts", type=int, default=200, help="requests per rate")
+    parser.add_argument("--client-cpus", help="CPUs for the load generator, in taskset's "
+                        "syntax (8-15); the server gets the others, so neither slows the "
+                        "other (default: both anywhere)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     args = parser.parse_args()
+    client_cpus = parse_cpus(args.client_cpus) if args.client_cpus else None
+    server_cpus = os.sched_getaffinity(0) - client_cpus if client_cpus else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = checkpoint_for(args.model)
     preset = ROOT / "configs" / f"{args.model}.yaml"
     info = device_info()
+    if server_cpus:  # offline runs on the server's CPUs: the same host for both sides
+        os.sched_setaffinity(0, server_cpus)
     ours = offline(checkpoint, preset, args)
     shape = ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     counts = [int(count) for count in args.api_server_counts.split(",")]
@@ -100,16 +111,17 @@ def main() -> None:
             ["--model", checkpoint, "--config", str(preset), "--served-model-name", args.model,
              "--max-queued-requests", "100000", "--log-interval", "5",
              "--api-server-count", str(count)],
-            out / f"serve_{args.model}_api{count}_server.log")
+            out / f"serve_{args.model}_api{count}_server.log", cpus=server_cpus)
         name = f"{args.model}_api{count}"
         try:
             bursts[count] = [bench(url, out, f"{name}_burst{repeat}", *shape, "--num-prompts",
                                    str(args.num_prompts), "--num-workers",
-                                   str(args.num_workers), "--seed", str(11 + repeat))
+                                   str(args.num_workers), "--seed", str(11 + repeat),
+                                   cpus=client_cpus)
                              for repeat in range(args.repeats)]
             if count == counts[-1]:
                 runs = {"burst": median_run(bursts[count]),
-                        **low_load_runs(url, out, name, args, shape)}
+                        **low_load_runs(url, out, name, args, shape, client_cpus)}
         finally:
             stop_server(server)
     burst = runs["burst"]["runs"][0]

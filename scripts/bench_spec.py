@@ -5,7 +5,8 @@
 
 Random weights make real acceptance meaningless, so the oracle proposer replays the target's
 own greedy output with each draft corrupted with probability 1 - a:
-  * one stream: speedup against a for each k, beside the analytic expectation
+  * one stream: speedup against a for each k (every step drafting k, and as served: with
+    the switch-off, which stops drafting where it would lose), beside the analytic expectation
     E / (k c + 1), E = (1 - a^(k+1)) / (1 - a), c the proposer's cost per draft over one
     decode step, and the refined E / (k c + V/T) with V/T the measured verification cost;
   * batch sizes at a = 0.7, k = 4: throughput with the switch-off on and off;
@@ -80,6 +81,10 @@ def single_stream(bench: Bench, prompt: list[int], c: float, verify_ratio: dict)
                          "expected_refined": expected / (k * c + verify_ratio.get(k, 1.0)),
                          "diverged_at": first_divergence(outputs[0].token_ids, reference),
                          **acceptance(before, after)})
+            if bench.step_times is not None:  # as served: the switch-off may stop drafting
+                bench.configure(k, adaptive=True)
+                outputs, _ = bench.run([prompt], [reference], a)
+                rows[-1]["speedup_switch_on"] = plain / decode_seconds_per_token(outputs[0])
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -93,10 +98,10 @@ def batches(bench: Bench, rng: random.Random) -> list:
         references = [o.token_ids for o in outputs]
         tokens = sum(len(r) for r in references)
         row = {"batch": batch, "plain_tok_s": tokens / plain}
-        for name, switch in (("switch_off", None), ("switch_on", bench.measured_switch)):
-            if name == "switch_on" and switch is None:
+        for name, adaptive in (("switch_off", False), ("switch_on", True)):
+            if adaptive and bench.step_times is None:
                 continue  # no cost model off CUDA
-            bench.configure(args.batch_k, switch=switch)
+            bench.configure(args.batch_k, adaptive=adaptive)
             _, seconds = bench.run(prompts, references, args.batch_rate)
             row[f"speedup_{name}"] = plain / seconds
         rows.append(row)
@@ -159,7 +164,7 @@ def draft_model_stream(args: argparse.Namespace, prompt: list[int]) -> dict:
     bench.run([prompt])
     outputs, _ = plain.run([prompt])
     reference, plain_seconds = outputs[0].token_ids, decode_seconds_per_token(outputs[0])
-    times = bench.measured_switch and bench.measured_switch.times  # None off CUDA
+    times = bench.step_times  # None off CUDA
     rows = []
     for k in numbers(args.ks, int):
         bench.configure(k)
@@ -180,12 +185,11 @@ def draft_model_stream(args: argparse.Namespace, prompt: list[int]) -> dict:
 def cost_ratios(bench: Bench) -> tuple[float, dict]:
     """c: the n-gram proposer's host time per draft over one decode step T(1); and the
     verification step's cost over T(1) per k, both from the startup measurement."""
-    switch = bench.measured_switch
+    times = bench.step_times
     cfg = bench.llm.engine.config.speculative
     k = bench.args.batch_k
-    if switch is None:
+    if times is None:
         return 0.0, {}
-    times = switch.times
     plain = times.at(times.plain, 1)
     c = proposer_seconds(cfg, k, bench.args.prompt_len) / k / plain
     return c, {k: times.at(series, 1) / plain for k, series in times.speculative.items()}

@@ -2,6 +2,7 @@
 and soak.py (tests start theirs with tests/server_harness.py)."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -13,17 +14,18 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch_server(flags: list[str], log_path: Path,
-                  timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """`python -m server FLAGS` on a free local port, logging to log_path; returns once
-    /health answers 200, or exits naming the log."""
+def launch_server(flags: list[str], log_path: Path, timeout: float = 300.0,
+                  cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m server FLAGS` on a free local port, logging to log_path, its processes on
+    `cpus` (None: any); returns once /health answers 200, or exits naming the log."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
                *flags]
     with open(log_path, "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=pin_to(cpus))
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + timeout
     while time.monotonic() < end and proc.poll() is None:
@@ -35,6 +37,20 @@ def launch_server(flags: list[str], log_path: Path,
         time.sleep(0.5)
     proc.kill()
     sys.exit(f"the server did not come up; see {log_path}")
+
+
+def pin_to(cpus: set[int] | None):
+    """A Popen preexec_fn that keeps the child, and every process it starts, on `cpus`."""
+    return None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
+
+
+def parse_cpus(text: str) -> set[int]:
+    """taskset's list syntax: "8-15" or "0,2,4-7"."""
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def stop_server(proc: subprocess.Popen) -> dict[str, float | int]:

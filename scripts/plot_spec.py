@@ -1,5 +1,5 @@
 """The PNGs of a scripts/bench_spec.py result: single-stream speedup against the acceptance
-rate beside the analytic expectation (spec_rates.png), and throughput against batch size
+rate beside the analytic expectation, forced and with the switch-off (spec_rates.png), and throughput against batch size
 (spec_batches.png). `bench_spec.py --replot spec.json` draws them again."""
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def replot(result: dict, out: Path) -> None:
                         label=f"k={k} measured")
         ax.plot([r["a"] for r in mine], [r["expected"] for r in mine], linestyle="--",
                 color=line.get_color(), label=f"k={k} analytic")
+        if all("speedup_switch_on" in r for r in mine):
+            ax.plot([r["a"] for r in mine], [r["speedup_switch_on"] for r in mine],
+                    marker="x", linestyle=":", color=line.get_color(),
+                    label=f"k={k} with the switch-off")
     ax.set(xlabel="acceptance rate a", ylabel="single-stream speedup",
            title=f"{result['args']['model']}: oracle proposer")
     ax.grid(True, alpha=0.3)

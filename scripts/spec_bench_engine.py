@@ -13,6 +13,7 @@ from bench_utils import checkpoint_for
 
 from engine import LLM, SamplingParams
 from engine.spec.oracle import OracleProposer
+from engine.spec.switch import SpeculationSwitch
 
 VOCAB = 50257
 
@@ -48,7 +49,8 @@ class Bench:
         self.judged = 0  # drafts the target judged: a row's run ends at its first rejection
         if self.speculator is None:
             return
-        self.measured_switch = self.speculator.switch  # None off CUDA
+        switch = self.speculator.switch
+        self.step_times = switch and switch.times  # measured at startup; None off CUDA
         observe = self.speculator.observe
 
         def observe_judged(num_drafts: int, num_accepted: int) -> None:
@@ -57,10 +59,13 @@ class Bench:
 
         self.speculator.observe = observe_judged
 
-    def configure(self, k: int, proposer=None, switch=None) -> None:
+    def configure(self, k: int, proposer=None, adaptive: bool = False) -> None:
+        """Draft up to k; `adaptive`: through a fresh switch-off (the engine's default, its
+        acceptance estimate back at the prior), else every step drafts k."""
         self.speculator.max_k = k
         self.speculator.proposer = proposer or self.speculator.proposer
-        self.speculator.switch = switch
+        self.speculator.switch = (SpeculationSwitch(self.step_times)
+                                  if adaptive and self.step_times else None)
 
     def run(self, prompts: list[list[int]], references: list[list[int]] | None = None,
             rate: float = 0.0) -> tuple[list, float]:

@@ -145,8 +145,9 @@ def _core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
     die_with_parent()
     logging.basicConfig(level=log_level, format=LOG_FORMAT)  # a spawned process starts bare
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from engine.core.engine_core import EngineCore, run_core_loop  # torch: in the child only
-    started = f"process start {time.time() - spawned_at:.1f} s"  # interpreter, torch import
+    from engine.core.engine_core import EngineCore, run_core_loop
+    import engine.worker.model_runner  # noqa: F401 - torch and triton: in the child only,
+    started = f"process start {time.time() - spawned_at:.1f} s"  # and timed with its start
 
     try:
         core = EngineCore(config)

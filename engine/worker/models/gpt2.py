@@ -149,8 +149,12 @@ class GPT2(nn.Module):
     def __init__(self, cfg: GPT2Config, ops: Ops, backend: AttentionBackend):
         super().__init__()
         self.config = cfg
-        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        # given weights skip nn.Embedding's normal_ init, whose meta-device version imports
+        # torch._dynamo: seconds of every start (load_gpt2 builds on meta)
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd,
+                                _weight=torch.empty(cfg.padded_vocab_size, cfg.n_embd))
+        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd,
+                                _weight=torch.empty(cfg.n_positions, cfg.n_embd))
         self.h = nn.ModuleList(Block(cfg, ops, backend) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.ops = ops
