@@ -26,7 +26,7 @@ import torch
 
 from bench_utils import ROOT, checkpoint_for, device_info, write_result
 from bench_offline import random_prompts, run_engine
-from launch import launch_server, parse_cpus, pin_to, stop_server
+from launch import launch_server, parse_cpus, pin_to, stop_server, tree_cpu_seconds
 from engine import LLM
 
 
@@ -51,6 +51,20 @@ def bench(url: str, out: Path, name: str, *flags: str, cpus: set[int] | None) ->
                     "--result-file", str(result), *flags], cwd=ROOT, check=True,
                    preexec_fn=pin_to(cpus))
     return json.loads(result.read_text())
+
+
+def burst_with_server_cpu(server_pid: int, url: str, out: Path, name: str, *flags: str,
+                          cpus: set[int] | None) -> dict:
+    """bench(), plus each server process's CPU use over the run in percent of one CPU
+    (`server_cpu_percent`, by pid; the log names the core's and API servers' pids): a
+    process near 100 % is the one that limits the burst."""
+    before = tree_cpu_seconds(server_pid)
+    summary = bench(url, out, name, *flags, cpus=cpus)
+    after = tree_cpu_seconds(server_pid)
+    duration = summary["runs"][0]["duration"]
+    summary["server_cpu_percent"] = {pid: round(100 * (after[pid] - before.get(pid, 0.0))
+                                                / duration, 1) for pid in after}
+    return summary
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -114,11 +128,11 @@ def main() -> None:
             out / f"serve_{args.model}_api{count}_server.log", cpus=server_cpus)
         name = f"{args.model}_api{count}"
         try:
-            bursts[count] = [bench(url, out, f"{name}_burst{repeat}", *shape, "--num-prompts",
-                                   str(args.num_prompts), "--num-workers",
-                                   str(args.num_workers), "--seed", str(11 + repeat),
-                                   cpus=client_cpus)
-                             for repeat in range(args.repeats)]
+            bursts[count] = [burst_with_server_cpu(
+                server.pid, url, out, f"{name}_burst{repeat}", *shape, "--num-prompts",
+                str(args.num_prompts), "--num-workers", str(args.num_workers),
+                "--seed", str(11 + repeat), cpus=client_cpus)
+                for repeat in range(args.repeats)]
             if count == counts[-1]:
                 runs = {"burst": median_run(bursts[count]),
                         **low_load_runs(url, out, name, args, shape, client_cpus)}
@@ -140,6 +154,8 @@ def main() -> None:
                   f"{summary['output_throughput']:.0f} out tok/s, offline {offline_rate:.0f}: "
                   f"served_to_offline {summary['output_throughput'] / offline_rate:.2f}; "
                   f"failed {summary['failed']}; client CPU {summary.get('client_cpu_percent')}")
+        for run in runs_:
+            print(f"  server CPU % by pid: {run['server_cpu_percent']}")
 
 
 if __name__ == "__main__":

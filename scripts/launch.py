@@ -53,6 +53,28 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
+def tree_cpu_seconds(root: int) -> dict[int, float]:
+    """CPU seconds (user + system) of root and every process under it, by pid, from /proc:
+    read before and after a run, it shows which of the server's processes was busy."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
+            continue
+        # the fields after the name: state, ppid, ..., utime (the 12th), stime (the 13th)
+        stats[pid] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        if pid in stats:
+            tree[pid] = stats[pid][1]
+            frontier += [child for child, (ppid, _) in stats.items() if ppid == pid]
+    return tree
+
+
 def stop_server(proc: subprocess.Popen) -> dict[str, float | int]:
     """SIGTERM, and how long the server took to exit (killed after 120 s)."""
     proc.terminate()
