@@ -18,8 +18,10 @@ matplotlib is installed, spec_rates.png and spec_batches.png under --out.
 
 With --draft-model (an arch name, random weights, or a path) it measures the draft_model
 method instead: one stream, the draft drafting at each k against an engine without a draft
-(the draft's engine pays its forward on every step, even at k = 0), and the acceptance.
-A draft of the target's own arch (same random weights) accepts every greedy draft:
+(the draft's engine pays its forward on every step, even at k = 0), and the acceptance; then
+at each of --rates, with the draft's tokens swapped for the oracle's after the draft has run
+(its cost real, its acceptance set). A draft of the target's own arch (same random weights)
+accepts every greedy draft:
 
     python3 scripts/bench_spec.py --model gpt2-xl --draft-model gpt2 --out $OUT
     python3 scripts/bench_spec.py --model gpt2-xl --draft-model gpt2-xl --out $OUT/copy
@@ -167,17 +169,19 @@ def draft_model_stream(args: argparse.Namespace, prompt: list[int]) -> dict:
     times = bench.step_times  # None off CUDA
     rows = []
     for k in numbers(args.ks, int):
-        bench.configure(k)
-        before = bench.counters()
-        outputs, _ = bench.run([prompt])
-        measured = acceptance(before, bench.counters())
-        step = times and times.at(times.speculative[k], 1)
-        rows.append({"k": k, "speedup": plain_seconds / decode_seconds_per_token(outputs[0]),
-                     "expected": step and expected_tokens(measured["a_measured"], k)
-                     * plain_seconds / step, "speculative_step_ms": step and step * 1e3,
-                     "diverged_at": first_divergence(outputs[0].token_ids, reference),
-                     **measured})
-        print(json.dumps(rows[-1]), flush=True)
+        for a in [None, *numbers(args.rates)]:  # None: the draft's own tokens
+            bench.configure(k)
+            before = bench.counters()
+            outputs, _ = bench.run([prompt], None if a is None else [reference], a or 0.0)
+            measured = acceptance(before, bench.counters())
+            step = times and times.at(times.speculative[k], 1)
+            rows.append({"k": k, "a": a,
+                         "speedup": plain_seconds / decode_seconds_per_token(outputs[0]),
+                         "expected": step and expected_tokens(measured["a_measured"], k)
+                         * plain_seconds / step, "speculative_step_ms": step and step * 1e3,
+                         "diverged_at": first_divergence(outputs[0].token_ids, reference),
+                         **measured})
+            print(json.dumps(rows[-1]), flush=True)
     return {"draft_model": args.draft_model, "plain_ms_per_token": plain_seconds * 1e3,
             "single_stream": rows}
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from dataclasses import replace
 from itertools import zip_longest
 
 from bench_utils import checkpoint_for
 
 from engine import LLM, SamplingParams
+from engine.core.batch import SchedulerOutput
 from engine.spec.oracle import OracleProposer
 from engine.spec.switch import SpeculationSwitch
 
@@ -58,6 +60,22 @@ class Bench:
             observe(num_drafts, num_accepted)
 
         self.speculator.observe = observe_judged
+        self.draft_oracle: OracleProposer | None = None  # see run()
+        drafter = self.engine.core.drafter
+        if drafter is not None:
+            fill = drafter.fill
+            drafter.fill = lambda out: self._oracle_drafts(fill(out))
+
+    def _oracle_drafts(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The draft model's step as it ran (its whole cost), its drafts then swapped for
+        the oracle's: the acceptance rate is set, the draft's cost is real. Its KV for the
+        swapped tokens is rewritten by the follow pass, which reads the step's tokens."""
+        if self.draft_oracle is None:
+            return out
+        return replace(out, sequences=[
+            replace(s, token_ids=s.token_ids[:-s.num_drafts] + self.draft_oracle.drafts_at(
+                s.request_id, s.num_output_tokens, s.num_drafts)) if s.num_drafts else s
+            for s in out.sequences])
 
     def configure(self, k: int, proposer=None, adaptive: bool = False) -> None:
         """Draft up to k; `adaptive`: through a fresh switch-off (the engine's default, its
@@ -70,14 +88,19 @@ class Bench:
     def run(self, prompts: list[list[int]], references: list[list[int]] | None = None,
             rate: float = 0.0) -> tuple[list, float]:
         """Greedy outputs of the prompts and the wall seconds; with references, the oracle
-        replays them at acceptance rate `rate`."""
+        replays them at acceptance rate `rate` (in place of the draft model's tokens, for
+        the draft_model method)."""
         ids = [f"b{self._next + i}" for i in range(len(prompts))]
         self._next += len(prompts)
+        self.draft_oracle = None
         if references is not None:
             oracle = OracleProposer(rate, VOCAB, seed=self._next)
             for request_id, reference in zip(ids, references):
                 oracle.add(f"{request_id}#0", reference)
-            self.speculator.proposer = oracle
+            if self.engine.core.drafter is None:
+                self.speculator.proposer = oracle
+            else:  # the draft model still drafts (and costs); the oracle sets the tokens
+                self.draft_oracle = oracle
         params = SamplingParams(temperature=0.0, max_tokens=self.args.output_len,
                                 ignore_eos=True)
         start = time.perf_counter()

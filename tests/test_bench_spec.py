@@ -25,12 +25,14 @@ def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
 
 
 def test_bench_spec_measures_a_draft_model(tiny_checkpoint, tmp_path):
-    """The target drafting for itself: every greedy draft is accepted."""
+    """The target drafting for itself: every greedy draft is accepted; with the oracle's
+    tokens swapped in at a = 0, none is (the swap, not the draft, sets the acceptance)."""
     main(["--model", str(tiny_checkpoint), "--draft-model", str(tiny_checkpoint),
-          "--device", "cpu", "--out", str(tmp_path), "--ks", "1,2", "--batches", "1",
-          "--batch-k", "2", "--prompt-len", "16", "--output-len", "6"])
+          "--device", "cpu", "--out", str(tmp_path), "--ks", "1,2", "--rates", "0",
+          "--batches", "1", "--batch-k", "2", "--prompt-len", "16", "--output-len", "6"])
     result = json.loads((tmp_path / "spec_draft.json").read_text())
     rows = result["single_stream"]
-    assert [r["k"] for r in rows] == [1, 2] and all(r["speedup"] > 0 for r in rows)
-    assert all(r["a_measured"] == 1.0 for r in rows) and result["plain_ms_per_token"] > 0
+    assert [(r["k"], r["a"]) for r in rows] == [(1, None), (1, 0.0), (2, None), (2, 0.0)]
+    assert all(r["speedup"] > 0 for r in rows) and result["plain_ms_per_token"] > 0
+    assert [r["a_measured"] for r in rows] == [1.0, 0.0, 1.0, 0.0]
     assert all(r["diverged_at"] is None for r in rows)

@@ -40,8 +40,12 @@ class OracleProposer:
         self._drafts[request_id] = drafts
 
     def propose(self, context: DraftContext) -> list[int]:
-        done = len(context.output_token_ids)
-        return self._drafts.get(context.request_id, [])[done:done + context.max_drafts]
+        return self.drafts_at(context.request_id, len(context.output_token_ids),
+                              context.max_drafts)
+
+    def drafts_at(self, request_id: str, num_output_tokens: int, k: int) -> list[int]:
+        """The drafts for the k positions after the first num_output_tokens generated."""
+        return self._drafts.get(request_id, [])[num_output_tokens:num_output_tokens + k]
 
     def release(self, request_id: str) -> None:
         self._drafts.pop(request_id, None)
