@@ -7,9 +7,14 @@ its engine core, so a load test measures the API process alone (no GPU needed):
         --output-len 128 --num-workers 2
 
 The engine core process is spawned, so it runs this file first too (as __mp_main__): the swap
-below happens there as well.
+below happens there as well. NOOP_STEP_MS=3 makes each step take at least 3 ms, as a GPU's
+would: streams then get a token per step, as on a GPU node, instead of the many-step batches
+an instant core sends.
 """
 from __future__ import annotations
+
+import os
+import time
 
 from bench_host import NoOpRunner
 
@@ -17,9 +22,19 @@ from engine.worker import model_runner
 from server.__main__ import main
 
 
+STEP_SECONDS = float(os.environ.get("NOOP_STEP_MS", "0")) / 1e3
+
+
 class _NamedNoOpRunner(NoOpRunner):
-    """What the engine process reports at startup, beside NoOpRunner's work."""
+    """What the engine process reports at startup, beside NoOpRunner's work; each step at
+    least STEP_SECONDS long."""
     device, dtype, attention_backend = "none", "none", "none"
+
+    def launch(self, out):
+        start = time.perf_counter()
+        launched = super().launch(out)
+        time.sleep(max(0.0, STEP_SECONDS - (time.perf_counter() - start)))
+        return launched
 
 
 if __name__ in ("__main__", "__mp_main__"):
