@@ -66,12 +66,14 @@ def tree_cpu_seconds(root: int) -> dict[int, float]:
             continue
         # the fields after the name: state, ppid, ..., utime (the 12th), stime (the 13th)
         stats[pid] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
-    tree, frontier = {}, [root]
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    tree, frontier = {}, [root] if root in stats else []
     while frontier:
         pid = frontier.pop()
-        if pid in stats:
-            tree[pid] = stats[pid][1]
-            frontier += [child for child, (ppid, _) in stats.items() if ppid == pid]
+        tree[pid] = stats[pid][1]
+        frontier += children.get(pid, [])
     return tree
 
 

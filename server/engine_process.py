@@ -146,8 +146,9 @@ def _core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
     logging.basicConfig(level=log_level, format=LOG_FORMAT)  # a spawned process starts bare
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from engine.core.engine_core import EngineCore, run_core_loop
-    import engine.worker.model_runner  # noqa: F401 - torch and triton: in the child only,
-    started = f"process start {time.time() - spawned_at:.1f} s"  # and timed with its start
+    # torch and triton load in the child only, and count in its "process start"
+    import engine.worker.model_runner  # noqa: F401
+    started = f"process start {time.time() - spawned_at:.1f} s"
 
     try:
         core = EngineCore(config)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
     ValidationError
 
 from engine.core.request import MAX_LOGPROBS, SamplingParams
-from engine.output.tokenizer import check_token_ids
+from engine.output.tokenizer import check_token_ids, is_token_list
 
 MAX_STOP_STRINGS = 4
 LOGIT_BIAS_LIMIT = 100.0
@@ -190,7 +190,7 @@ def parse_prompt(prompt: Any, limits: Limits) -> list[str | list[int]]:
     The prompt count is checked before any prompt is: each costs work to check and queue."""
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and _is_token_list(prompt):
+    elif isinstance(prompt, list) and prompt and is_token_list(prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt:
         prompts = prompt
@@ -207,19 +207,13 @@ def parse_prompt(prompt: Any, limits: Limits) -> list[str | list[int]]:
     return prompts
 
 
-def _is_token_list(values: list[Any]) -> bool:
-    """Every item a plain int (not a bool): checked in C, 4x faster than per item in Python
-    on a 512-token prompt."""
-    return set(map(type, values)) <= {int}
-
-
 def _check_one_prompt(prompt: Any, index: int) -> None:
     """The prompt's form; its token ids are the engine's to check (Tokenizer.encode_prompt)."""
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError(f"prompt[{index}] must not be an empty string", param="prompt")
         return
-    if not isinstance(prompt, list) or not _is_token_list(prompt):
+    if not isinstance(prompt, list) or not is_token_list(prompt):
         raise RequestError(f"prompt must be {PROMPT_FORMS}", param="prompt",
                            code="invalid_type")
     if not prompt:
