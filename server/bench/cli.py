@@ -19,7 +19,7 @@ from pathlib import Path
 
 try:
     from server.bench import client
-except ImportError as missing:  # httpx comes with the `bench` extra, not with the server
+except ImportError as missing:  # aiohttp comes with the `bench` extra, not with the server
     raise SystemExit(f"gpt2-bench needs {missing.name}: pip install 'gpt2-serve[bench]' "
                      f"(or pip install -e '.[bench]' in a checkout)") from None
 from server.bench import plots
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             runs.append(run_rate(args, target, rate, run, percentiles, slos))
     except (RuntimeError, WorkloadError, OSError) as exc:
         sys.exit(f"gpt2-bench: error: {exc}")
-    except client.httpx.HTTPError as exc:
+    except (client.aiohttp.ClientError, asyncio.TimeoutError) as exc:
         sys.exit(f"gpt2-bench: error: {args.base_url}: {exc}")
     write_outputs(args, model, rates, runs, slos)
 
