@@ -3,8 +3,10 @@ arithmetic on a synthetic event trace with known answers, workloads, argument er
 sweeps with several client processes against a real server."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import socket
 import subprocess
 import sys
 import tomllib
@@ -12,8 +14,10 @@ from argparse import Namespace
 from importlib import import_module
 
 import pytest
+from aiohttp import web
 
 from server.bench.cli import build_parser, workload
+from server.bench.client import served_model
 from server.bench.metrics import RequestResult, report, summarize
 from server.bench.workload import (WorkloadError, arrival_offsets, jsonl_prompts,
                                    shared_prefix_prompts)
@@ -216,3 +220,25 @@ def test_jsonl_run_with_cdf_plot(server, tmp_path):
                            str(tmp_path / "result.json"), "--plot", str(tmp_path / "x.png")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "not a --sweep-rates result" in proc.stderr
+
+
+def test_a_base_url_with_a_path_keeps_it():
+    """A server behind a path prefix (a proxy's /gpt2/): requests go under it, as with httpx."""
+    async def models(_request):
+        return web.json_response({"data": [{"id": "behind-a-proxy"}]})
+
+    async def check():
+        app = web.Application()
+        app.router.add_get("/gpt2/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        await web.SockSite(runner, sock).start()
+        try:
+            return await served_model(f"http://127.0.0.1:{port}/gpt2", None)
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(check()) == "behind-a-proxy"
