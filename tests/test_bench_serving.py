@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from server.bench.cli import build_parser, workload
-from server.bench.client import served_model
+from server.bench.client import Target, served_model
 from server.bench.metrics import RequestResult, report, summarize
 from server.bench.workload import (WorkloadError, arrival_offsets, jsonl_prompts,
                                    shared_prefix_prompts)
@@ -242,3 +242,13 @@ def test_a_base_url_with_a_path_keeps_it():
             await runner.cleanup()
 
     assert asyncio.run(check()) == "behind-a-proxy"
+
+
+def test_a_worker_session_has_no_connection_cap_and_no_overall_timeout():
+    """aiohttp's default caps a session at 100 connections: a worker's share of a burst must
+    all be in flight at once, and a long stream must not time out."""
+    async def settings():
+        async with Target("http://127.0.0.1:1", "m").session() as session:
+            return session.connector.limit, session.timeout.total, session.timeout.sock_connect
+
+    assert asyncio.run(settings()) == (0, None, 30.0)

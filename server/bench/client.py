@@ -37,7 +37,8 @@ class Target:
         1 MiB."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return aiohttp.ClientSession(
-            self.base_url.rstrip("/") + "/", headers=headers,  # requests' paths are relative connector=aiohttp.TCPConnector(limit=0),
+            self.base_url.rstrip("/") + "/",  # the requests' paths are relative to it
+            headers=headers, connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0),
             read_bufsize=1 << 20)
 
