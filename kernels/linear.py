@@ -93,7 +93,8 @@ def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: 
 
 
 def compile_candidates(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],
-                       dtype: torch.dtype, device: torch.device) -> None:
+                       dtype: torch.dtype, device: torch.device,
+                       candidates: tuple[TileConfig, ...] = TILE_CANDIDATES) -> None:
     """Compile every candidate variant that measure_skinny_wins times, up front and in a
     thread pool: one at a time they took most of a cold start (48 of gpt2's 80 s on an H100),
     and Triton compiles mostly outside the GIL (its native passes, LLVM, ptxas). Needs
@@ -113,10 +114,10 @@ def compile_candidates(shapes: list[tuple[int, int, bool, bool]], batch_sizes: l
             for m in sizes:
                 x, residual = (torch.empty(m, k, dtype=dtype, device=device) for _ in range(2))
                 add_norm = AddNorm(residual, ln_w, ln_b, 1e-5) if norm else None
-                for config in TILE_CANDIDATES:
+                for config in candidates:
                     compile_skinny(x, weight, bias, gelu, add_norm, config)
     log.info("compiled %d skinny GEMM variants (shape x batch size x tile config) in %.1f s "
-             "on %d threads", len(shapes) * len(sizes) * len(TILE_CANDIDATES),
+             "on %d threads", len(shapes) * len(sizes) * len(candidates),
              time.perf_counter() - start, threads)
 
 

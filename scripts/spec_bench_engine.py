@@ -7,15 +7,18 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from dataclasses import replace
 from itertools import zip_longest
 
+import numpy as np
+import torch
 from bench_utils import checkpoint_for
 
 from engine import LLM, SamplingParams
-from engine.core.batch import SchedulerOutput
+from engine.core.batch import ScheduledSequence
 from engine.spec.oracle import OracleProposer
 from engine.spec.switch import SpeculationSwitch
+from engine.worker.inputs import upload
+from engine.worker.spec_verify import NO_TOKEN
 
 VOCAB = 50257
 
@@ -61,21 +64,24 @@ class Bench:
 
         self.speculator.observe = observe_judged
         self.draft_oracle: OracleProposer | None = None  # see run()
-        drafter = self.engine.core.drafter
-        if drafter is not None:
-            fill = drafter.fill
-            drafter.fill = lambda out: self._oracle_drafts(fill(out))
+        self.drafter = self.engine.core.runner.drafter
+        if self.drafter is not None:
+            fill = self.drafter.fill
+            self.drafter.fill = lambda seqs: self._oracle_drafts(seqs, fill(seqs))
 
-    def _oracle_drafts(self, out: SchedulerOutput) -> SchedulerOutput:
-        """The draft model's step as it ran (its whole cost), its drafts then swapped for
-        the oracle's: the acceptance rate is set, the draft's cost is real. Its KV for the
+    def _oracle_drafts(self, seqs: list[ScheduledSequence], drafts: torch.Tensor
+                       ) -> torch.Tensor:
+        """The draft model's drafts as it made them (its whole cost), then swapped for the
+        oracle's: the acceptance rate is set, the draft's cost is real. Its KV for the
         swapped tokens is rewritten by the follow pass, which reads the step's tokens."""
         if self.draft_oracle is None:
-            return out
-        return replace(out, sequences=[
-            replace(s, token_ids=s.token_ids[:-s.num_drafts] + self.draft_oracle.drafts_at(
-                s.request_id, s.num_output_tokens, s.num_drafts)) if s.num_drafts else s
-            for s in out.sequences])
+            return drafts
+        swapped = np.full(drafts.shape, NO_TOKEN, dtype=np.int64)
+        for row, s in enumerate(seqs):
+            if s.num_drafts:
+                swapped[row, :s.num_drafts] = self.draft_oracle.drafts_at(
+                    s.request_id, s.num_output_tokens, s.num_drafts)
+        return upload(swapped, torch.int64, drafts.device)
 
     def configure(self, k: int, proposer=None, adaptive: bool = False) -> None:
         """Draft up to k; `adaptive`: through a fresh switch-off (the engine's default, its
@@ -97,7 +103,7 @@ class Bench:
             oracle = OracleProposer(rate, VOCAB, seed=self._next)
             for request_id, reference in zip(ids, references):
                 oracle.add(f"{request_id}#0", reference)
-            if self.engine.core.drafter is None:
+            if self.drafter is None:
                 self.speculator.proposer = oracle
             else:  # the draft model still drafts (and costs); the oracle sets the tokens
                 self.draft_oracle = oracle

@@ -1,9 +1,11 @@
 """Tile-config sweep of the skinny GEMM on GPT-2 layer shapes, against the unfused path
 (cuBLAS, plus the add + LayerNorm kernel before QKV and FC), timed inside CUDA graphs with
 weights rotated so they stream from memory as in a decode step. Its winners become the
-candidates the startup table tries (kernels.skinny_gemm.TILE_CANDIDATES).
+candidates the startup table tries (kernels.skinny_gemm.TILE_CANDIDATES). For the layers with
+the norm fused in it also times the add + LayerNorm kernel followed by the plain skinny GEMM.
 
     python scripts/sweep_skinny.py --widths 768,1600 --m 1,4
+    python scripts/sweep_skinny.py --widths 1600 --m 4,8,16 --layers qkv,fc
 """
 from __future__ import annotations
 
@@ -12,49 +14,77 @@ import itertools
 
 import torch
 
-from kernels.linear import LinearDispatch, graph_ms, layer_call
+from kernels.linear import LinearDispatch, compile_candidates, graph_ms, layer_call
 from kernels.skinny_gemm import TileConfig
 
-CONFIGS = [TileConfig(*knobs) for knobs in itertools.product(
-    (16, 32, 64), (128, 256), (2, 4), (2, 3, 4, 5), (1, 2))]  # BN, BK, warps, stages, min steps
+CONFIGS = tuple(TileConfig(*knobs) for knobs in itertools.product(
+    (16, 32, 64), (64, 128, 256), (2, 4, 8), (2, 4), (1, 2)))  # BN, BK, warps, stages, steps
+LAYERS = ("qkv", "o", "fc", "proj")
 
 
-def layer_shapes(width: int) -> list[tuple[str, int, int, bool, bool]]:
+def layer_shapes(width: int, layers: list[str]) -> list[tuple[str, int, int, bool, bool]]:
     """(name, N, K, gelu, norm) of one GPT-2 block's linears."""
-    return [("qkv", 3 * width, width, False, True), ("o", width, width, False, False),
-            ("fc", 4 * width, width, True, True), ("proj", width, 4 * width, False, False)]
+    shapes = {"qkv": (3 * width, width, False, True), "o": (width, width, False, False),
+              "fc": (4 * width, width, True, True), "proj": (width, 4 * width, False, False)}
+    return [(name, *shapes[name]) for name in layers]
 
 
-def sweep(width: int, m: int) -> None:
+def time_paths(n: int, k: int, m: int, gelu: bool, norm: bool) -> dict:
+    """ms per layer of: the unfused path, each config fused (`norm`: add + LayerNorm in the
+    kernel), and for norm layers each config of the plain kernel after the add + LayerNorm
+    kernel ("ln+" keys)."""
     dtype, device = torch.float16, torch.device("cuda")
-    for name, n, k, gelu, norm in layer_shapes(width):
-        weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5 for _ in range(16)]
-        bias = torch.randn(n, dtype=dtype, device=device)
-        x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
-        ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
+    weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5 for _ in range(16)]
+    bias = torch.randn(n, dtype=dtype, device=device)
+    x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
+    ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
 
-        def time_ms(config: TileConfig | None) -> float:
-            dispatch = LinearDispatch({(n, k, m, gelu, norm): config} if config else None)
-            return graph_ms(layer_call(dispatch, x, residual, ln_w, ln_b, bias, norm, gelu),
-                            weights)
+    def time_ms(table: dict) -> float:
+        call = layer_call(LinearDispatch(table), x, residual, ln_w, ln_b, bias, norm, gelu)
+        return graph_ms(call, weights)
 
-        unfused, default = time_ms(None), time_ms(TileConfig())
-        times = sorted((time_ms(config), config) for config in CONFIGS)
-        gb_per_s = n * k * dtype.itemsize / times[0][0] / 1e6
-        print(f"{name} N={n} K={k} M={m}: unfused {unfused * 1e3:.2f} us, default "
-              f"{default * 1e3:.2f} us, best {times[0][0] * 1e3:.2f} us ({gb_per_s:.0f} GB/s) "
-              f"{tuple(times[0][1])}; next "
-              f"{', '.join(f'{t * 1e3:.2f} {tuple(c)}' for t, c in times[1:4])}", flush=True)
+    times = {"unfused": time_ms({})}
+    for config in CONFIGS:
+        times[config] = time_ms({(n, k, m, gelu, norm): config})
+        if norm:
+            times["ln+", config] = time_ms({(n, k, m, gelu, False): config})
+    return times
+
+
+def sweep(width: int, m: int, layers: list[str]) -> None:
+    for name, n, k, gelu, norm in layer_shapes(width, layers):
+        times = time_paths(n, k, m, gelu, norm)
+        unfused = times.pop("unfused")
+        report = [("fused" if norm else "skinny",
+                   sorted((t, c) for c, t in times.items() if isinstance(c, TileConfig)))]
+        if norm:
+            report.append(("ln+skinny", sorted((t, c[1]) for c, t in times.items()
+                                               if not isinstance(c, TileConfig))))
+        line = f"{name} N={n} K={k} M={m}: unfused {unfused * 1e3:.2f} us"
+        for label, ranked in report:
+            (best, config), rest = ranked[0], ranked[1:4]
+            gb_per_s = n * k * 2 / best / 1e6
+            line += (f"; {label} best {best * 1e3:.2f} us ({gb_per_s:.0f} GB/s) "
+                     f"{tuple(config)}, next "
+                     f"{', '.join(f'{t * 1e3:.2f} {tuple(c)}' for t, c in rest)}")
+        print(line, flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default="768,1600")
     parser.add_argument("--m", default="1,4")
+    parser.add_argument("--layers", default=",".join(LAYERS))
     args = parser.parse_args()
-    for width in (int(w) for w in args.widths.split(",")):
-        for m in (int(m) for m in args.m.split(",")):
-            sweep(width, m)
+    widths, sizes = ([int(v) for v in text.split(",")] for text in (args.widths, args.m))
+    layers = args.layers.split(",")
+    shapes = [(n, k, gelu, norm) for width in widths
+              for _, n, k, gelu, norm in layer_shapes(width, layers)]
+    shapes += [(n, k, gelu, False) for n, k, gelu, norm in shapes if norm]
+    compile_candidates(shapes, sizes, torch.float16, torch.device("cuda"), CONFIGS)
+    for width in widths:
+        for m in sizes:
+            sweep(width, m, layers)
 
 
 if __name__ == "__main__":

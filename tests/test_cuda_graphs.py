@@ -231,29 +231,36 @@ SEEDED = [SamplingParams(temperature=1.3, seed=11, max_tokens=8, ignore_eos=True
           SamplingParams(temperature=0.9, top_k=5, seed=4, max_tokens=8, ignore_eos=True)]
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
-        tiny_checkpoint, monkeypatch, params):
+        tiny_checkpoint, monkeypatch, params, method):
     """Verification steps (k + 1 tokens a decoding row, a sampling row per draft position)
     replay the mixed-step graph of their padded token count, replaced by eager replays as
-    above: the tokens are those of plain eager decoding. The oracle proposer replays them,
-    each draft corrupted with probability 0.3."""
+    above: the tokens are those of plain eager decoding. For the n-gram method the oracle
+    proposer replays them, each draft corrupted with probability 0.3; the draft model (the
+    target's own weights) writes its drafts into the staged token ids on the device."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
     rng = random.Random(5)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 30))] for _ in range(4)]
     params = [params[i % len(params)] for i in range(len(prompts))]
     results = []
-    for speculative in (None, {"num_speculative_tokens": 3, "prompt_lookup_max": 2}):
+    speculative = {"num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    if method == "draft_model":
+        speculative = {"num_speculative_tokens": 3, "model": str(tiny_checkpoint)}
+    for speculative in (None, speculative):
         llm = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_num_seqs=4,
                   max_num_batched_tokens=24, num_kv_blocks=128, block_size=8,
                   attention_backend="torch", speculative_config=speculative)
         runner = llm.engine.runner
         if speculative:
+            follower = runner.drafter and runner.drafter.follow
             mixed = MixedGraphs(runner.model, runner.kv_caches, 24, 4,
                                 runner.max_blocks_per_seq, 1024, torch.device("cpu"),
-                                runner.max_sample_rows)
+                                runner.max_sample_rows, follower)
             replay_eagerly(mixed, mixed.sample_rows)
             runner.mixed_graphs = mixed
+        if speculative and method == "ngram":
             oracle = llm.engine.core.speculator.proposer = OracleProposer(0.7, 50257)
             for i, reference in enumerate(results[0]):
                 oracle.add(f"{i}#0", reference)  # the LLM's own request ids

@@ -152,17 +152,26 @@ def test_server_speculates_with_a_draft_model(tiny_checkpoint, tmp_path):
         server.stop()
 
 
-def test_draft_slots_are_filled_before_the_target_runs(tiny_checkpoint):
-    """The scheduler reserves UNFILLED_DRAFT slots; the step the runner gets holds tokens."""
+def test_the_target_reads_the_drafts_from_the_device(tiny_checkpoint):
+    """The scheduler reserves UNFILLED_DRAFT slots; the drafter returns a device tensor of
+    its tokens, which the target's forward reads in those slots."""
     from engine.core.batch import UNFILLED_DRAFT
 
     engine = make_llm(tiny_checkpoint, speculative_config=draft_config(tiny_checkpoint)).engine
-    launched = []
-    launch = engine.runner.launch
-    engine.runner.launch = lambda out: launched.append(out) or launch(out)
-    engine.add_request("a", list(range(10)), SamplingParams(temperature=0.0, max_tokens=6))
+    runner, events = engine.runner, []
+    fill, forward = runner.drafter.fill, runner.model.forward
+    runner.drafter.fill = lambda seqs: events.append(("fill", seqs, fill(seqs))) or events[-1][2]
+    runner.model.forward = lambda ids, *a: events.append(("forward", ids.tolist())) or forward(
+        ids, *a)
+    engine.add_request("a", list(range(10)), SamplingParams(temperature=0.0, max_tokens=9))
     while engine.has_unfinished_requests():
         engine.step()
-    drafts = [t for out in launched for s in out.sequences if s.num_drafts
-              for t in s.token_ids[-s.num_drafts:]]
-    assert drafts and UNFILLED_DRAFT not in drafts and min(drafts) >= 0
+    verified = [(fill_event, forward_event) for fill_event, forward_event
+                in zip(events, events[1:]) if fill_event[0] == "fill"]
+    assert verified
+    for (_, seqs, drafts), (_, input_ids) in verified:
+        (seq,) = seqs
+        assert seq.token_ids[-seq.num_drafts:] == [UNFILLED_DRAFT] * seq.num_drafts
+        row = drafts[0].tolist()
+        assert min(row[:seq.num_drafts]) >= 0
+        assert input_ids[-seq.num_drafts:] == row[:seq.num_drafts]

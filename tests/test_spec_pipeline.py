@@ -38,7 +38,7 @@ class VerifyingFakeRunner(PipelinedFakeRunner):
                      for i in range(seq.num_drafts + 1)]
             n = next((i for i, d in enumerate(drafts) if d != draws[i]), len(drafts))
             sampled.append(draws[n])
-            accepted.append(n)
+            accepted.append(drafts[:n])
         result = RunnerOutput(result.request_ids, sampled, result.logprobs, accepted)
         self.last = (out.step_id, sampled)
         return CompletedStep(result)

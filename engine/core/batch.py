@@ -36,8 +36,8 @@ class ScheduledSequence:
     # sampled output (see SchedulerOutput); -1: every new token is known
     prev_sample_row: int = -1
     # the last num_drafts of token_ids are a proposer's guesses: the runner samples at each
-    # of them and at the token before them, and reports how many the target accepted
-    # (UNFILLED_DRAFT until the draft model fills them in, for the draft_model method)
+    # of them and at the token before them, and reports the ones the target accepted
+    # (UNFILLED_DRAFT for the draft_model method: the draft model drafts on the device)
     num_drafts: int = 0
 
     @property
@@ -53,8 +53,9 @@ class ScheduledSequence:
 # A token id not known yet when the step was scheduled: the one the previous step (still on
 # the device) samples for this sequence, named by the sequence's prev_sample_row.
 PLACEHOLDER_TOKEN = -1
-# A draft slot the scheduler reserved for the draft model, which fills it in before the step
-# runs (engine/worker/drafter.py); never reaches the target.
+# A draft slot the scheduler reserved for the draft model, whose guess the runner writes into
+# the step's inputs on the device (engine/worker/drafter.py); the scheduler learns the
+# accepted ones from RunnerOutput.accepted_drafts.
 UNFILLED_DRAFT = -2
 
 
@@ -96,9 +97,10 @@ class TokenLogprobs:
 @dataclass(frozen=True)
 class RunnerOutput:
     """One entry per ScheduledSequence with sample=True, in the same order. A sequence with
-    drafts gains its first num_accepted drafts and then its sampled token (the correction of
-    the first rejected draft, or the bonus token after all of them)."""
+    drafts gains its accepted drafts and then its sampled token (the correction of the first
+    rejected draft, or the bonus token after all of them)."""
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
-    num_accepted: list[int] = field(default_factory=list)  # empty: the step had no drafts
+    # the leading drafts the target accepted, per sequence; empty: the step had no drafts
+    accepted_drafts: list[list[int]] = field(default_factory=list)

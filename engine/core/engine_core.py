@@ -51,9 +51,6 @@ class EngineCore:
         self.block_manager = BlockManager(runner.num_kv_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.speculator: Speculator | None = build_speculator(config, runner)
-        # the draft_model method: the runner's draft model fills the scheduled draft slots
-        spec = config.speculative
-        self.drafter = runner.drafter if spec and spec.method == "draft_model" else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    speculator=self.speculator)
         self._in_flight = None  # (SchedulerOutput, pending result) of the launched step
@@ -80,8 +77,6 @@ class EngineCore:
             outputs = self._apply(*self._in_flight)  # the next step starts where it ended
             self._in_flight = None
         scheduled = self.scheduler.schedule()
-        if scheduled.num_draft_tokens and self.drafter is not None:
-            scheduled = self.drafter.fill(scheduled)  # waits for the draft's tokens
         launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled))
         to_finish = launched
         if self.config.scheduler.async_scheduling:

@@ -273,7 +273,7 @@ class Scheduler:
         """Apply one step's results. Returns requests that got a new token or finished."""
         now = self.clock()
         sampled = dict(zip(output.request_ids, output.sampled_token_ids))
-        accepted = dict(zip(output.request_ids, output.num_accepted))
+        accepted = dict(zip(output.request_ids, output.accepted_drafts))
         requests = self._step_requests.pop(scheduled.step_id, {})
         block_size = self.block_manager.block_size
         changed = []
@@ -306,16 +306,15 @@ class Scheduler:
             request.first_token_time = now
         self._check_stop(request, token)
 
-    def _apply_verified(self, request: Request, seq: ScheduledSequence, num_accepted: int,
+    def _apply_verified(self, request: Request, seq: ScheduledSequence, accepted: list[int],
                         token: int, now: float) -> None:
         """A decoding row with drafts: its last token and the accepted drafts now have KV.
         The accepted drafts and the sampled token join the output one at a time, up to the
         first that ends the request; the blocks past its computed tokens are released."""
-        self.speculator.observe(seq.num_drafts, num_accepted)
-        num_known = len(seq.token_ids) - seq.num_drafts
-        gained = num_known + num_accepted
+        self.speculator.observe(seq.num_drafts, len(accepted))
+        gained = len(seq.token_ids) - seq.num_drafts + len(accepted)
         request.num_computed_tokens += gained
-        for new_token in seq.token_ids[num_known:num_known + num_accepted] + [token]:
+        for new_token in accepted + [token]:
             self._append(request, new_token, now)
             if request.status is not RequestStatus.RUNNING:
                 return  # finished: its blocks are freed, later tokens dropped

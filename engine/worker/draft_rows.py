@@ -12,7 +12,9 @@ mismatch, or after the last draft, is the sequence's sampled token.
     plain       [[A+0 A+1 A+2]        [B+0 B+0 B+0]  [C+0 C+1 C+1]]    (padding repeats)
     sampled     A: plain[num_accepted]   B: B+0   C: plain[num_accepted]
 
-Only one-hot drafts (host proposers) come this way, so the plain draws decide everything.
+Only one-hot drafts come this way (a host proposer's, or the draft model's greedy guesses,
+which the runner writes into the step's token rows on the device: `draft_token_rows`), so
+the plain draws decide everything.
 """
 from __future__ import annotations
 
@@ -37,22 +39,45 @@ def position_rows(seqs: list[ScheduledSequence]) -> list[ScheduledSequence]:
     return rows
 
 
-def verify_drafts(sampled: SamplerOutput, seqs: list[ScheduledSequence]) -> SamplerOutput:
-    """The per-position draws of `seqs` (sampling sequences, in order) -> one sampled token
-    per sequence, with how many of its drafts were accepted."""
+def draft_token_rows(seqs: list[ScheduledSequence], sample_indices: np.ndarray,
+                     width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where the drafts of `seqs` (sampling sequences, in order) go: each draft's token row in
+    the step (`sample_indices` holds each sequence's last num_drafts + 1 rows, the first of
+    them its last known token's) and its index in the flattened [len(seqs), width] drafts."""
+    num_drafts = np.array([s.num_drafts for s in seqs], dtype=np.int64)
+    counts = num_drafts + 1
+    is_draft = np.ones(int(counts.sum()), dtype=bool)
+    is_draft[np.cumsum(counts) - counts] = False
+    seq_of_draft = np.repeat(np.arange(len(seqs)), num_drafts)
+    nth = np.arange(int(num_drafts.sum())) - np.repeat(np.cumsum(num_drafts) - num_drafts,
+                                                        num_drafts)
+    return sample_indices[is_draft], seq_of_draft * width + nth
+
+
+def host_drafts(seqs: list[ScheduledSequence], device: torch.device) -> torch.Tensor:
+    """[len(seqs), max drafts] int64 on `device`: each sequence's drafts as the scheduler
+    holds them (a host proposer's), NO_TOKEN past its own."""
+    width = max(s.num_drafts for s in seqs)
+    drafts = np.full((len(seqs), width), NO_TOKEN, dtype=np.int64)
+    for row, seq in enumerate(seqs):
+        if seq.num_drafts:
+            drafts[row, :seq.num_drafts] = seq.token_ids[-seq.num_drafts:]
+    return upload(drafts, torch.int64, device)
+
+
+def verify_drafts(sampled: SamplerOutput, seqs: list[ScheduledSequence],
+                  drafts: torch.Tensor) -> SamplerOutput:
+    """The per-position draws of `seqs` (sampling sequences, in order) and their drafts
+    ([len(seqs), max drafts] on the device, NO_TOKEN past a sequence's own) -> one sampled
+    token per sequence, with the drafts it accepted."""
     num_drafts = np.array([s.num_drafts for s in seqs], dtype=np.int64)
     first_row = np.cumsum(num_drafts + 1) - num_drafts - 1
     width = int(num_drafts.max()) + 1
     gather = first_row[:, None] + np.minimum(np.arange(width), num_drafts[:, None])
-    drafts = np.full((len(seqs), width - 1), NO_TOKEN, dtype=np.int64)
-    for row, seq in enumerate(seqs):
-        if seq.num_drafts:
-            drafts[row, :seq.num_drafts] = seq.token_ids[-seq.num_drafts:]
     device = sampled.token_ids.device
     plain = sampled.token_ids[upload(gather, torch.int64, device)]
-    verified = accept_drawn(plain, upload(drafts, torch.int64, device),
-                            upload(num_drafts, torch.int64, device))
+    verified = accept_drawn(plain, drafts, upload(num_drafts, torch.int64, device))
     tokens = verified.token_ids.gather(1, verified.num_accepted[:, None]).squeeze(1)
     row_of_position = np.repeat(np.arange(len(seqs)), num_drafts + 1)
-    return replace(sampled, token_ids=tokens, num_accepted=verified.num_accepted,
+    return replace(sampled, token_ids=tokens, verified_token_ids=verified.token_ids,
                    logprob_rows=row_of_position[sampled.logprob_rows].tolist())

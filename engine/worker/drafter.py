@@ -7,7 +7,9 @@ the block manager stays the one owner of blocks.
                       (prefill chunks, decodes, verification rows), in the same launch or
                       CUDA graph, writing draft KV wherever the target writes KV
     before a step     fill(): k greedy decode iterations over the speculating sequences,
-    with drafts       then their tokens replace the step's UNFILLED_DRAFT slots
+    with drafts       queued on the device; their tokens, a device tensor, fill the step's
+                      UNFILLED_DRAFT slots there (ModelRunner._draft_writer) and are judged
+                      there, so the host never waits for a draft
 
     iteration  0        1        2        3          (k = 4, last token t19 at position 19)
     feeds      t19@19   d1@20    d2@21    d3@22      each writes the draft's KV there
@@ -30,6 +32,8 @@ from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence, SchedulerOut
 from engine.core.config import EngineConfig, check_draft_model
 from engine.core.request import SamplingParams
 from engine.worker.attention import AttentionMetadata
+from engine.worker.inputs import upload
+from engine.worker.spec_verify import NO_TOKEN
 from engine.worker.models.gpt2 import GPT2Config, find_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -69,36 +73,26 @@ class Drafter:
         """The draft's forward over a target step's inputs, for its KV only."""
         self.runner.model(input_ids, positions, self.runner.kv_caches, meta)
 
-    def fill(self, out: SchedulerOutput) -> SchedulerOutput:
-        """`out` with each speculating sequence's draft slots holding the draft's greedy
-        guesses. Iteration i + 1 reads iteration i's tokens on the device, and is launched
-        before i's tokens are waited for, as the engine runs steps one ahead (the graphs'
-        pinned staging holds two steps): one host sync per iteration, overlapped with the
-        next."""
-        speculating = [s for s in out.sequences if s.num_drafts]
-        drafts: list[list[int]] = [[] for _ in speculating]
-        in_flight, rows_before = [], {}
-        for i in range(max(s.num_drafts for s in speculating)):
-            active = [j for j, s in enumerate(speculating) if s.num_drafts > i]
-            rows = [_draft_row(speculating[j], i, rows_before.get(j, -1)) for j in active]
-            rows_before = {j: row for row, j in enumerate(active)}
+    def fill(self, seqs: list[ScheduledSequence]) -> torch.Tensor:
+        """The draft's greedy guesses for `seqs` (a step's sampling sequences), as
+        [len(seqs), most drafts] int64 on the device, NO_TOKEN past a sequence's own.
+        Iteration i + 1 reads iteration i's tokens on the device: every iteration is queued
+        without a host sync, and so is the target's step after them."""
+        width = max(s.num_drafts for s in seqs)
+        drafts = torch.full((len(seqs), width), NO_TOKEN, dtype=torch.int64,
+                            device=self.runner.device)
+        speculating = [row for row, s in enumerate(seqs) if s.num_drafts]
+        rows_before: dict[int, int] = {}
+        for i in range(width):
+            active = [row for row in speculating if seqs[row].num_drafts > i]
+            steps = [_draft_row(seqs[row], i, rows_before.get(row, -1)) for row in active]
+            rows_before = {row: n for n, row in enumerate(active)}
             self._step_id += 1
-            in_flight.append((active, self.runner.launch(SchedulerOutput(
-                rows, step_id=self._step_id))))
-            if len(in_flight) == 2:
-                _collect(drafts, *in_flight.pop(0))
-        for launched in in_flight:
-            _collect(drafts, *launched)
-        filled = iter(replace(s, token_ids=s.token_ids[:-s.num_drafts] + d)
-                      for s, d in zip(speculating, drafts))
-        return replace(out, sequences=[next(filled) if s.num_drafts else s
-                                       for s in out.sequences])
-
-
-def _collect(drafts: list[list[int]], active: list[int], pending) -> None:
-    """Wait for one iteration's tokens and append each to its sequence's drafts."""
-    for j, token in zip(active, pending.wait().sampled_token_ids):
-        drafts[j].append(token)
+            pending = self.runner.launch_on(SchedulerOutput(steps, step_id=self._step_id),
+                                            self.runner.kv_caches, copy_to_host=False)
+            # before the next iteration's replay overwrites the graph's output
+            drafts[upload(active, torch.int64, drafts.device), i] = pending.sampled.token_ids
+        return drafts
 
 
 def _draft_row(seq: ScheduledSequence, i: int, source: int) -> ScheduledSequence:

@@ -9,18 +9,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from engine.worker.attention import get_attention_backend
-from engine.core.batch import RunnerOutput, SchedulerOutput
+from engine.core.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.spec.switch import StepTimes
-from engine.worker.draft_rows import position_rows, verify_drafts
+from engine.worker.draft_rows import (draft_token_rows, host_drafts, position_rows,
+                                      verify_drafts)
 from engine.worker.spec_timing import measure_step_times
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
-from engine.worker.inputs import (is_decode_step, prepare_host_inputs, take_placeholders,
-                                  to_device)
+from engine.worker.inputs import (HostInputs, is_decode_step, prepare_host_inputs,
+                                  take_placeholders, to_device, upload)
 from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
 from engine.worker.drafter import Drafter, draft_runner_config, find_draft
 from engine.worker.kv_sizing import KVSizing, kv_block_bytes
@@ -31,8 +33,11 @@ from engine.worker.startup import StartupCache, StartupPhases, default_cache_dir
 log = logging.getLogger(__name__)
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, decode_steps_queued: int = 2):
+        """decode_steps_queued: how many decode steps may be queued on the device before the
+        host must wait to stage another (the draft model queues its k iterations)."""
         self.config = config
+        self.decode_steps_queued = decode_steps_queued
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
@@ -79,7 +84,8 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv_cache(self.num_kv_blocks)
         self.startup.add("KV sizing", time.perf_counter() - start, sizing)
         if draft is not None:
-            self.drafter = Drafter(ModelRunner(draft_runner_config(config, self.num_kv_blocks)))
+            self.drafter = Drafter(ModelRunner(draft_runner_config(config, self.num_kv_blocks),
+                                               decode_steps_queued=self.max_drafts + 1))
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB); %.1f requests fit at the full "
                  "%d-token context; sized in %.1f s", self.num_kv_blocks, self.block_size,
                  self.num_kv_blocks * self.kv_block_bytes / 2**30,
@@ -108,7 +114,8 @@ class ModelRunner:
             pool = self.mixed_graphs.capture()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
                                    self.max_blocks_per_seq, self.block_size,
-                                   sched.max_model_len, self.device, follower)
+                                   sched.max_model_len, self.device, follower,
+                                   self.decode_steps_queued)
         self.decode_graphs.capture(pool)
         self.startup.add("graphs", time.perf_counter() - start)
         log.info("captured CUDA graphs in %.1f s: decode for batch sizes %s; mixed steps for "
@@ -148,25 +155,43 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> PendingStep:
         """Queue the step on the device and start copying its tokens back; returns at once.
         Placeholder tokens are read from step `out.step_id - 1`'s sampled tokens on the device,
-        the step launched just before."""
+        the step launched just before. A step with drafts from the draft model queues the
+        draft's iterations first (Drafter.fill)."""
         return self.launch_on(out, self.kv_caches)
 
     @torch.inference_mode()
-    def launch_on(self, out: SchedulerOutput, kv_caches: list[KVCache]) -> PendingStep:
-        """launch() into the given caches (KV sizing's worst-case step runs on a scratch one)."""
+    def launch_on(self, out: SchedulerOutput, kv_caches: list[KVCache],
+                  copy_to_host: bool = True) -> PendingStep:
+        """launch() into the given caches (KV sizing's worst-case step runs on a scratch one);
+        copy_to_host False: the tokens stay on the device until wait() (the draft's, which
+        only the device reads)."""
         to_sample = [s for s in out.sequences if s.sample]
-        rows = position_rows(to_sample) if out.num_draft_tokens else to_sample
+        drafts = self._drafts(out, to_sample)
+        rows = position_rows(to_sample) if drafts is not None else to_sample
         draw_inputs = self.sampler.draw_inputs(rows)
-        logits, drawn = self._forward(out, draw_inputs, kv_caches)
+        logits, drawn = self._forward(out, draw_inputs, kv_caches,
+                                      drafts if self.drafter is not None else None)
         if not to_sample:  # prompt chunks only: nothing to sample
             self._last_step = LaunchedStep(out.step_id, None)
             return PendingStep([], None)
         sampled = self.sampler(logits, rows, draw_inputs, drawn)
-        if out.num_draft_tokens:
-            sampled = verify_drafts(sampled, to_sample)
-        sampled.begin_host_copy()
+        if drafts is not None:
+            sampled = verify_drafts(sampled, to_sample, drafts)
+        if copy_to_host:
+            sampled.begin_host_copy()
         self._last_step = LaunchedStep(out.step_id, sampled.token_ids)
         return PendingStep([s.request_id for s in to_sample], sampled)
+
+    def _drafts(self, out: SchedulerOutput, to_sample: list[ScheduledSequence]
+                ) -> torch.Tensor | None:
+        """The step's drafts on the device, [sampling sequences, most drafts], NO_TOKEN past
+        a sequence's own: the draft model's, whose iterations are queued now, ahead of the
+        target's forward, with no host sync; or the host proposer's. None: no drafts."""
+        if not out.num_draft_tokens:
+            return None
+        if self.drafter is not None:
+            return self.drafter.fill(to_sample)
+        return host_drafts(to_sample, self.device)
 
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the forward (writing KV) and return float32 logits [num sample=True seqs, vocab]
@@ -176,10 +201,12 @@ class ModelRunner:
             draw_inputs = self.sampler.draw_inputs(to_sample)
             return self._forward(out, draw_inputs, self.kv_caches)[0].float()
 
-    def _forward(self, out: SchedulerOutput, draw_inputs: DrawInputs, kv_caches: list[KVCache]
+    def _forward(self, out: SchedulerOutput, draw_inputs: DrawInputs, kv_caches: list[KVCache],
+                 device_drafts: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the sampling rows in the model's dtype (`draw_inputs` are theirs), plus
-        each one's draw when a graph made it. Graphs run on the cache they captured."""
+        each one's draw when a graph made it; `device_drafts` (the draft model's) fill the
+        draft slots. Graphs run on the cache they captured."""
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, dtype=self.dtype,
                                device=self.device), None
@@ -190,15 +217,27 @@ class ModelRunner:
                 and is_decode_step(seqs)):
             return self.decode_graphs.run(seqs, sources, prev_tokens, draw_inputs)
         host = prepare_host_inputs(seqs, self.block_size, self.max_blocks_per_seq)
+        write_drafts = None if device_drafts is None else self._draft_writer(out, host,
+                                                                             device_drafts)
         if self.mixed_graphs is not None and self.mixed_graphs.fits(host):
-            return self.mixed_graphs.run(host, sources, prev_tokens, draw_inputs)
+            return self.mixed_graphs.run(host, sources, prev_tokens, draw_inputs, write_drafts)
         step = to_device(host, self.device)
         if prev_tokens is not None:
             take_placeholders(step, host, sources, prev_tokens)
+        if write_drafts is not None:
+            write_drafts(step.input_ids)
         hidden = self.model(step.input_ids, step.positions, kv_caches, step.meta)
         if self.drafter is not None:
             self.drafter.follow(step.input_ids, step.positions, step.meta)
         return self.model.lm_head(hidden[step.sample_indices]), None
+
+    def _draft_writer(self, out: SchedulerOutput, host: HostInputs, drafts: torch.Tensor
+                      ) -> Callable[[torch.Tensor], None]:
+        """input_ids -> None: writes `drafts` into the token rows of the draft slots."""
+        rows, flat = draft_token_rows([s for s in out.sequences if s.sample],
+                                      host.sample_indices, drafts.shape[1])
+        rows, flat = (upload(a, torch.int64, self.device) for a in (rows, flat))
+        return lambda input_ids: input_ids.index_put_((rows,), drafts.view(-1)[flat])
 
     def _prev_sampled(self, out: SchedulerOutput, sources: list[int]) -> torch.Tensor | None:
         """The device tokens that `out`'s placeholders (sources >= 0) name: those step
@@ -229,4 +268,5 @@ class PendingStep:
         if self.sampled is None:
             return RunnerOutput([], [], [])
         token_ids, logprobs = self.sampled.to_lists()
-        return RunnerOutput(self.request_ids, token_ids, logprobs, self.sampled.accepted_list())
+        return RunnerOutput(self.request_ids, token_ids, logprobs,
+                            self.sampled.accepted_drafts())

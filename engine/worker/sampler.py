@@ -25,6 +25,7 @@ import torch
 from engine.worker import layers
 from engine.core.batch import ScheduledSequence, TokenLogprobs
 from engine.worker.inputs import upload
+from engine.worker.spec_verify import NO_TOKEN
 from engine.core.request import EOS_TOKEN_ID
 
 NEG_INF = float("-inf")
@@ -39,7 +40,9 @@ class SamplerOutput:
     sampled_logprobs: torch.Tensor | None = None  # [len(logprob_rows)]
     top_ids: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)]
     top_logprobs: torch.Tensor | None = None
-    num_accepted: torch.Tensor | None = None  # [N] int64, a step with drafts (draft_rows.py)
+    # a step with drafts (draft_rows.py): [N, k + 1] int64, each row's accepted drafts, then
+    # its sampled token, then NO_TOKEN
+    verified_token_ids: torch.Tensor | None = None
     host: list[torch.Tensor] | None = field(default=None, repr=False)  # once copies started
     ready: torch.cuda.Event | None = field(default=None, repr=False)  # when they landed
 
@@ -49,8 +52,8 @@ class SamplerOutput:
         tensors = [self.token_ids]
         if self.logprob_rows:
             tensors += [self.sampled_logprobs, self.top_ids, self.top_logprobs]
-        if self.num_accepted is not None:
-            tensors.append(self.num_accepted)
+        if self.verified_token_ids is not None:
+            tensors.append(self.verified_token_ids)
         if not tensors[0].is_cuda:
             self.host = [t.clone() for t in tensors]  # a snapshot, as the copy would be
             return
@@ -72,9 +75,12 @@ class SamplerOutput:
                 logprobs[row] = TokenLogprobs(sampled[j], top_ids[j][:k], top_lps[j][:k])
         return token_ids, logprobs
 
-    def accepted_list(self) -> list[int]:
+    def accepted_drafts(self) -> list[list[int]]:
         """Each row's accepted drafts, once to_lists has waited; [] for a step without."""
-        return [] if self.num_accepted is None else self.host[-1].tolist()
+        if self.verified_token_ids is None:
+            return []
+        return [row[:row.index(NO_TOKEN) - 1] if NO_TOKEN in row else row[:-1]
+                for row in self.host[-1].tolist()]
 
 
 def is_plain_draw(seqs: list[ScheduledSequence]) -> bool:

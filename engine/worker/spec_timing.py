@@ -2,13 +2,12 @@
 at startup: a plain decode step T(B), and a speculative step S(B, k) = a verification step
 (B rows of k + 1 tokens; the mixed-step graph of that padded count on CUDA) plus the
 proposal: the n-gram proposer's host time for B requests, or the draft model's k decode
-iterations over B rows (`Drafter.fill`, timed with the step), for each batch size B a step
-can hold and k in 1..K.
+iterations over B rows (`Drafter.fill`, queued by the step's launch), for each batch size B
+a step can hold and k in 1..K.
 
 The synthetic steps read and write the KV of blocks 0.. while nothing is cached yet; every
 sequence of a step shares one block table, which costs the kernels what distinct tables
-would. Times are wall-clock seconds of `runner.execute` (launch, wait), with the drafter's
-fill before it, the median of a few.
+would. Times are wall-clock seconds of `runner.execute` (launch, wait), the median of a few.
 """
 from __future__ import annotations
 
@@ -55,16 +54,11 @@ def _step(batch: int, k: int, context: int, block_size: int) -> SchedulerOutput:
 
 
 def _seconds(runner, step: SchedulerOutput, repeats: int) -> float:
-    drafter = runner.drafter if step.num_draft_tokens else None
-
-    def run() -> None:
-        runner.execute(step if drafter is None else drafter.fill(step))
-
-    run()  # warm-up
+    runner.execute(step)  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        run()
+        runner.execute(step)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -36,11 +36,12 @@ def decode_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
 class DecodeGraphs(GraphSet):
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
-                 device: torch.device, follower: Follower | None = None):
+                 device: torch.device, follower: Follower | None = None, mirrors: int = 2):
         sizes = capture_sizes(max_num_seqs)
         super().__init__(model, kv_caches, sizes,
                          decode_meta_layout(sizes[-1], max_blocks_per_seq), device,
-                         lambda tokens, meta: DecodeStager(tokens, meta, block_size), follower)
+                         lambda tokens, meta: DecodeStager(tokens, meta, block_size), follower,
+                         mirrors)
         self.max_model_len = max_model_len
         self.query_start_loc = torch.arange(sizes[-1] + 1, dtype=torch.int32, device=device)
 

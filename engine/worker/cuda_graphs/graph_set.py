@@ -37,16 +37,18 @@ Follower = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None]
 
 class GraphSet:
     """Graphs of one kind, one per padded size, reading two packed device buffers: `tokens`
-    (int64, `token_layout`) and `meta` (int32, the subclass's layout). Two pinned staging
-    mirrors fill them in turn: when step N+1 is staged (scheduling ahead), step N's copies
-    may still be queued behind step N-1 on the device, so N+1 writes the mirror N-1 used,
-    whose copies are done (N-1 was waited for). A subclass defines forward(size): what its
-    graph of that size records, run eagerly (logits and each row's draw). A `follower`
-    runs over every step's inputs after the model (`_hidden`)."""
+    (int64, `token_layout`) and `meta` (int32, the subclass's layout). Pinned staging
+    mirrors (two, or `mirrors`) fill them in turn: when step N+1 is staged (scheduling
+    ahead), step N's copies may still be queued behind step N-1 on the device, so N+1 writes
+    the mirror N-1 used, once its copies are done (an event per mirror). The draft model
+    queues its k iterations without a wait in between: k + 1 mirrors let them all queue. A
+    subclass defines forward(size): what its graph of that size records, run eagerly
+    (logits and each row's draw). A `follower` runs over every step's inputs after the model
+    (`_hidden`)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: list[int],
                  meta_layout: BufferLayout, device: torch.device, make_stager: MakeStager,
-                 follower: Follower | None = None):
+                 follower: Follower | None = None, mirrors: int = 2):
         self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
         self.follower = follower
         self.token_layout, self.meta_layout = token_layout(sizes[-1]), meta_layout
@@ -55,7 +57,7 @@ class GraphSet:
         self.tokens = self.token_layout.views(self._ids64)
         self.meta = meta_layout.views(self._ids32)
         self.tokens.slot_mapping.fill_(-1)  # nothing is stored while the graphs are captured
-        self._staging = [_PinnedStaging(self, make_stager) for _ in range(2)]
+        self._staging = [_PinnedStaging(self, make_stager, device) for _ in range(mirrors)]
         self._steps_staged = 0
         self._token_pool = self._ids64[:self.token_layout.end("token_ids")]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -96,12 +98,14 @@ class GraphSet:
         return pool
 
     def _replay(self, size: int, stage: Callable, prev_tokens: torch.Tensor | None,
-                meta_rows: int) -> None:
+                meta_rows: int, after_copy: Callable[[], None] | None = None) -> None:
         """stage(stager) fills the next pinned mirror; then copy it (`meta` up to its first
         `meta_rows` block-table rows) and the previous step's sampled tokens (when
-        placeholders read them) in, and replay."""
-        staging = self._staging[self._steps_staged % 2]
+        placeholders read them) in, run `after_copy` (device writes over the copied
+        buffers), and replay."""
+        staging = self._staging[self._steps_staged % len(self._staging)]
         self._steps_staged += 1
+        staging.wait_copied()
         stage(staging.stager)
         if prev_tokens is not None:
             self.tokens.prev_tokens[:len(prev_tokens)].copy_(prev_tokens, non_blocking=True)
@@ -111,14 +115,30 @@ class GraphSet:
         self._ids64[known:].copy_(staging.ids64[known:], non_blocking=True)
         used = self.meta_layout.end("block_tables", meta_rows)
         self._ids32[:used].copy_(staging.ids32[:used], non_blocking=True)
+        staging.mark_copied()
+        if after_copy is not None:
+            after_copy()
         self.graphs[size].replay()
 
 
 class _PinnedStaging:
-    """Pinned host mirrors of a graph set's two buffers, with the stager that fills them."""
+    """Pinned host mirrors of a graph set's two buffers, with the stager that fills them and
+    an event marking when the device has taken their last copies (steps launched without a
+    wait in between, as the draft model's, must not rewrite a mirror still queued)."""
 
-    def __init__(self, graphs: GraphSet, make_stager: MakeStager):
+    def __init__(self, graphs: GraphSet, make_stager: MakeStager, device: torch.device):
         self.ids64 = torch.zeros_like(graphs._ids64, device="cpu").pin_memory()
         self.ids32 = torch.zeros_like(graphs._ids32, device="cpu").pin_memory()
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self.stager = make_stager(graphs.token_layout.views(self.ids64.numpy()),
                                   graphs.meta_layout.views(self.ids32.numpy()))
+
+    def wait_copied(self) -> None:
+        """Until the device has taken the last copies from these mirrors."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def mark_copied(self) -> None:
+        """Call once this step's copies from the mirrors are queued."""
+        if self._copied is not None:
+            self._copied.record()

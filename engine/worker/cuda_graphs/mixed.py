@@ -18,6 +18,7 @@ their own rows through every row-wise op after it.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,6 +28,8 @@ from engine.worker.cuda_graphs.buffers import BufferLayout, stage_draw_inputs
 from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, mixed_capture_sizes
 from engine.worker.inputs import HostInputs
 from engine.worker.sampler import DrawInputs
+
+WriteDrafts = Callable[[torch.Tensor], None]  # writes drafts into a step's token ids
 
 
 def mixed_meta_layout(max_seqs: int, max_blocks_per_seq: int,
@@ -75,14 +78,18 @@ class MixedGraphs(GraphSet):
         return self._logits_and_draws(hidden.index_select(0, sampled))
 
     def run(self, host: HostInputs, sources: list[int], prev_tokens: torch.Tensor | None,
-            draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor]:
+            draw_inputs: DrawInputs, write_drafts: WriteDrafts | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for this step (see DecodeGraphs.run); returns the logits and
-        draws of its sampling sequences."""
+        draws of its sampling sequences. `write_drafts` writes the draft model's guesses
+        into the token ids on the device before the replay."""
         size = next(s for s in self.sizes if s >= len(host.token_ids))
         rows, sample_rows = self.rows(size), self.sample_rows(size)
+        after_copy = None if write_drafts is None else (
+            lambda: write_drafts(self.tokens.token_ids))
         self._replay(size, lambda stager: stager.write(host, sources, draw_inputs, size, rows,
                                                        sample_rows),
-                     prev_tokens, rows)
+                     prev_tokens, rows, after_copy)
         num_samples = len(host.sample_indices)
         return self.logits[size][:num_samples], self.drawn[size][:num_samples]
 
