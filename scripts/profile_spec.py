@@ -10,14 +10,18 @@ Prints a timeline of a few steps (host phases, and the device's busy segments: k
 closer than 5 us merged) and writes profile_spec.json: per step, the wall time, the device's
 busy time, and each host phase's time (inflated by the profiler's own host cost, so a second
 run times the phases with perf_counter alone: "host_phases_ms"); and "graphs": each CUDA
-graph a speculative step replays (the draft's decode graph, the target's verification graph
-with the draft's follow pass) and the target's plain decode graph, replayed alone under the
-profiler: its kernels in order with their device time.
+graph a speculative step replays (the draft's decode graph, the target's verification
+graph, the draft's follow pass over the same tokens, which a step of verification rows only
+skips) and the target's plain decode graph, replayed alone under the profiler: its kernels in
+order with their device time.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import random
 import statistics
 import time
@@ -44,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--show-steps", type=int, default=3)
+    parser.add_argument("--cprofile", action="store_true",
+                        help="also run the stream under cProfile: profile_spec_host.txt")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     args.batches, args.ks, args.batch_k = "1", str(args.k), args.k  # what Bench reads
@@ -111,6 +117,19 @@ def _timed(fn, into: list[float]):
     return timed
 
 
+def host_profile(run, path: Path) -> None:
+    """cProfile of run(): the functions with the most time of their own, and by cumulative
+    time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+    path.write_text(text.getvalue())
+
+
 def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int = 5) -> dict:
     """The graph's kernels in launch order with their median device us over a few replays,
     their total, and the host's time to launch the graph (replay(), the device idle)."""
@@ -145,8 +164,9 @@ def profile_graphs(plain: Bench, bench: Bench, k: int) -> dict:
     draft = bench.engine.core.runner.drafter.runner
     verify_size = next(s for s in target.mixed_graphs.sizes if s >= k + 1)
     return {"target_decode_1": graph_kernels(plain.engine.core.runner.decode_graphs.graphs[1]),
-            f"target_verify_{verify_size}_with_follow":
-                graph_kernels(target.mixed_graphs.graphs[verify_size]),
+            f"target_verify_{verify_size}": graph_kernels(target.mixed_graphs.graphs[verify_size]),
+            f"draft_follow_{verify_size}":
+                graph_kernels(target.mixed_graphs.follow_graphs[verify_size]),
             "draft_decode_1": graph_kernels(draft.decode_graphs.graphs[1])}
 
 
@@ -219,6 +239,9 @@ def main() -> None:
     result["host_phases_ms"] = time_host_phases(
         bench, lambda: bench.run([prompt], [reference], args.rate))
     print(json.dumps(result["host_phases_ms"], indent=1))
+    if args.cprofile:
+        host_profile(lambda: bench.run([prompt], [reference], args.rate),
+                     args.out / "profile_spec_host.txt")
     if args.device == "cuda":
         result["graphs"] = profile_graphs(plain, bench, args.k)
         print(json.dumps({name: [g["kernels"], g["device_us"], g["launch_host_us"]]

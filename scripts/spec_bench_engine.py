@@ -67,7 +67,7 @@ class Bench:
         self.drafter = self.engine.core.runner.drafter
         if self.drafter is not None:
             fill = self.drafter.fill
-            self.drafter.fill = lambda seqs: self._oracle_drafts(seqs, fill(seqs))
+            self.drafter.fill = lambda seqs, *rest: self._oracle_drafts(seqs, fill(seqs, *rest))
 
     def _oracle_drafts(self, seqs: list[ScheduledSequence], drafts: torch.Tensor
                        ) -> torch.Tensor:

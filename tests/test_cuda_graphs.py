@@ -56,6 +56,16 @@ class _EagerReplay:
         self.graphs.drawn[self.size].copy_(drawn)
 
 
+class _EagerFollow:
+    """Stands in for a follower's captured graph on CPU."""
+
+    def __init__(self, graphs, size: int):
+        self.graphs, self.size = graphs, size
+
+    def replay(self) -> None:
+        self.graphs._follow(self.size)
+
+
 def replay_eagerly(graphs, rows_of) -> None:
     """Give a graph set on CPU eager replays and output buffers, as capture would."""
     for size in graphs.sizes:
@@ -63,6 +73,8 @@ def replay_eagerly(graphs, rows_of) -> None:
         graphs.logits[size] = torch.empty(rows, graphs.model.config.vocab_size)
         graphs.drawn[size] = torch.empty(rows, dtype=torch.int64)
         graphs.graphs[size] = _EagerReplay(graphs, size)
+        if graphs.follower is not None:
+            graphs.follow_graphs[size] = _EagerFollow(graphs, size)
 
 
 def test_mixed_capture_sizes():

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import httpx
+import torch
 import pytest
 
 from engine import SamplingParams
@@ -160,7 +161,8 @@ def test_the_target_reads_the_drafts_from_the_device(tiny_checkpoint):
     engine = make_llm(tiny_checkpoint, speculative_config=draft_config(tiny_checkpoint)).engine
     runner, events = engine.runner, []
     fill, forward = runner.drafter.fill, runner.model.forward
-    runner.drafter.fill = lambda seqs: events.append(("fill", seqs, fill(seqs))) or events[-1][2]
+    runner.drafter.fill = lambda seqs, *rest: events.append(
+        ("fill", seqs, fill(seqs, *rest))) or events[-1][2]
     runner.model.forward = lambda ids, *a: events.append(("forward", ids.tolist())) or forward(
         ids, *a)
     engine.add_request("a", list(range(10)), SamplingParams(temperature=0.0, max_tokens=9))
@@ -175,3 +177,29 @@ def test_the_target_reads_the_drafts_from_the_device(tiny_checkpoint):
         row = drafts[0].tolist()
         assert min(row[:seq.num_drafts]) >= 0
         assert input_ids[-seq.num_drafts:] == row[:seq.num_drafts]
+
+
+def test_the_draft_has_kv_wherever_the_target_has(tiny_checkpoint):
+    """Steps whose every sequence verifies drafts skip the draft's follow pass; the next fill
+    feeds a request that accepted every draft its last one. Drafting with the target's own
+    weights, the draft's KV equals the target's at every position the request computed."""
+    engine = make_llm(tiny_checkpoint, speculative_config=draft_config(tiny_checkpoint)).engine
+    runner, draft_runner = engine.runner, engine.runner.drafter.runner
+    catch_ups = []
+    launch_on = draft_runner.launch_on
+    draft_runner.launch_on = lambda out, *a, **kw: (
+        catch_ups.append(out) if kw.get("placeholder_tokens") is not None else None,
+        launch_on(out, *a, **kw))[1]
+    engine.add_request("a", list(range(10)), SamplingParams(temperature=0.0, max_tokens=60,
+                                                           ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+    (request,) = engine.core.scheduler.running
+    assert catch_ups and request.num_computed_tokens > 30
+    blocks = engine.core.block_manager.block_ids(request.request_id)
+    positions = torch.arange(request.num_computed_tokens)
+    block_size = runner.block_size
+    for (k, v), (draft_k, draft_v) in zip(runner.kv_caches, draft_runner.kv_caches):
+        index = (torch.tensor(blocks)[positions // block_size], positions % block_size)
+        torch.testing.assert_close(draft_k[index], k[index], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(draft_v[index], v[index], atol=1e-4, rtol=1e-4)

@@ -161,16 +161,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_on(self, out: SchedulerOutput, kv_caches: list[KVCache],
-                  copy_to_host: bool = True) -> PendingStep:
+                  copy_to_host: bool = True, placeholder_tokens: torch.Tensor | None = None
+                  ) -> PendingStep:
         """launch() into the given caches (KV sizing's worst-case step runs on a scratch one);
         copy_to_host False: the tokens stay on the device until wait() (the draft's, which
-        only the device reads)."""
+        only the device reads); `placeholder_tokens`: the device tokens placeholders read,
+        in place of the last launch's."""
         to_sample = [s for s in out.sequences if s.sample]
-        drafts = self._drafts(out, to_sample)
+        # the draft's follow pass is left out when every sequence verifies drafts
+        follow = self.drafter is None or not all(s.num_drafts for s in out.sequences)
+        drafts = self._drafts(out, to_sample, not follow)
         rows = position_rows(to_sample) if drafts is not None else to_sample
         draw_inputs = self.sampler.draw_inputs(rows)
         logits, drawn = self._forward(out, draw_inputs, kv_caches,
-                                      drafts if self.drafter is not None else None)
+                                      drafts if self.drafter is not None else None, follow,
+                                      placeholder_tokens)
         if not to_sample:  # prompt chunks only: nothing to sample
             self._last_step = LaunchedStep(out.step_id, None)
             return PendingStep([], None)
@@ -182,15 +187,15 @@ class ModelRunner:
         self._last_step = LaunchedStep(out.step_id, sampled.token_ids)
         return PendingStep([s.request_id for s in to_sample], sampled)
 
-    def _drafts(self, out: SchedulerOutput, to_sample: list[ScheduledSequence]
-                ) -> torch.Tensor | None:
+    def _drafts(self, out: SchedulerOutput, to_sample: list[ScheduledSequence],
+                skips_follow: bool) -> torch.Tensor | None:
         """The step's drafts on the device, [sampling sequences, most drafts], NO_TOKEN past
         a sequence's own: the draft model's, whose iterations are queued now, ahead of the
         target's forward, with no host sync; or the host proposer's. None: no drafts."""
         if not out.num_draft_tokens:
             return None
         if self.drafter is not None:
-            return self.drafter.fill(to_sample)
+            return self.drafter.fill(to_sample, skips_follow)
         return host_drafts(to_sample, self.device)
 
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
@@ -202,17 +207,20 @@ class ModelRunner:
             return self._forward(out, draw_inputs, self.kv_caches)[0].float()
 
     def _forward(self, out: SchedulerOutput, draw_inputs: DrawInputs, kv_caches: list[KVCache],
-                 device_drafts: torch.Tensor | None = None
+                 device_drafts: torch.Tensor | None = None, follow: bool = True,
+                 placeholder_tokens: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the sampling rows in the model's dtype (`draw_inputs` are theirs), plus
         each one's draw when a graph made it; `device_drafts` (the draft model's) fill the
-        draft slots. Graphs run on the cache they captured."""
+        draft slots; the draft model follows unless `follow` is False. Graphs run on the
+        cache they captured."""
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, dtype=self.dtype,
                                device=self.device), None
         seqs = out.sequences
         sources = [s.prev_sample_row for s in seqs]
-        prev_tokens = self._prev_sampled(out, sources)
+        prev_tokens = (placeholder_tokens if placeholder_tokens is not None
+                       else self._prev_sampled(out, sources))
         if (self.decode_graphs is not None and len(seqs) <= self.decode_graphs.max_batch
                 and is_decode_step(seqs)):
             return self.decode_graphs.run(seqs, sources, prev_tokens, draw_inputs)
@@ -220,14 +228,15 @@ class ModelRunner:
         write_drafts = None if device_drafts is None else self._draft_writer(out, host,
                                                                              device_drafts)
         if self.mixed_graphs is not None and self.mixed_graphs.fits(host):
-            return self.mixed_graphs.run(host, sources, prev_tokens, draw_inputs, write_drafts)
+            return self.mixed_graphs.run(host, sources, prev_tokens, draw_inputs, write_drafts,
+                                         follow)
         step = to_device(host, self.device)
         if prev_tokens is not None:
             take_placeholders(step, host, sources, prev_tokens)
         if write_drafts is not None:
             write_drafts(step.input_ids)
         hidden = self.model(step.input_ids, step.positions, kv_caches, step.meta)
-        if self.drafter is not None:
+        if self.drafter is not None and follow:
             self.drafter.follow(step.input_ids, step.positions, step.meta)
         return self.model.lm_head(hidden[step.sample_indices]), None
 

@@ -49,13 +49,15 @@ class DecodeGraphs(GraphSet):
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = AttentionMetadata(
+    def attention_meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
             slot_mapping=self.tokens.slot_mapping[:size],
             block_tables=self.meta.block_tables[:size], seq_lens=self.meta.seq_lens[:size],
             query_start_loc=self.query_start_loc[:size + 1], max_query_len=1,
             max_seq_len=self.max_model_len)
-        return self._logits_and_draws(self._hidden(size, meta))
+
+    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._logits_and_draws(self._hidden(size))
 
     def run(self, seqs: list[ScheduledSequence], sources: list[int],
             prev_tokens: torch.Tensor | None,

@@ -42,9 +42,10 @@ class GraphSet:
     ahead), step N's copies may still be queued behind step N-1 on the device, so N+1 writes
     the mirror N-1 used, once its copies are done (an event per mirror). The draft model
     queues its k iterations without a wait in between: k + 1 mirrors let them all queue. A
-    subclass defines forward(size): what its graph of that size records, run eagerly
-    (logits and each row's draw). A `follower` runs over every step's inputs after the model
-    (`_hidden`)."""
+    subclass defines attention_meta(size) over the buffers and forward(size): what its graph
+    of that size records, run eagerly (logits and each row's draw). A `follower` gets a graph
+    of its own per size, over the same inputs, replayed after the model's unless a step
+    says not to (`_replay`'s follow)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: list[int],
                  meta_layout: BufferLayout, device: torch.device, make_stager: MakeStager,
@@ -61,18 +62,22 @@ class GraphSet:
         self._steps_staged = 0
         self._token_pool = self._ids64[:self.token_layout.end("token_ids")]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.follow_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.drawn: dict[int, torch.Tensor] = {}  # each row's draw from its logits
 
-    def _hidden(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
-        """The model's hidden states of the first `size` token rows (the follower's forward
-        over the same rows after it)."""
+    def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input ids (gathered by token source) and positions of the first `size` rows."""
         input_ids = self._token_pool.index_select(0, self.tokens.token_source[:size])
-        positions = self.tokens.positions[:size]
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if self.follower is not None:
-            self.follower(input_ids, positions, meta)
-        return hidden
+        return input_ids, self.tokens.positions[:size]
+
+    def _hidden(self, size: int) -> torch.Tensor:
+        """The model's hidden states of the first `size` token rows."""
+        return self.model(*self._inputs(size), self.kv_caches, self.attention_meta(size))
+
+    def _follow(self, size: int) -> None:
+        """The follower's forward over the same rows (what its graph records)."""
+        self.follower(*self._inputs(size), self.attention_meta(size))
 
     def _logits_and_draws(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draw reads the model-dtype logits (widened exactly in the kernel): no float32
@@ -87,22 +92,20 @@ class GraphSet:
         """Capture every size, largest first, into `pool` (None: a new one). Returns the
         pool, for the next set to share."""
         for size in reversed(self.sizes):
-            self.forward(size)  # warm-up: compiles kernels, settles the allocator
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size], self.drawn[size] = self.forward(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[size], pool, outputs = _capture(lambda: self.forward(size), pool)
+            self.logits[size], self.drawn[size] = outputs
+            if self.follower is not None:
+                self.follow_graphs[size], pool, _ = _capture(lambda: self._follow(size), pool)
         torch.cuda.synchronize()
         return pool
 
     def _replay(self, size: int, stage: Callable, prev_tokens: torch.Tensor | None,
-                meta_rows: int, after_copy: Callable[[], None] | None = None) -> None:
+                meta_rows: int, after_copy: Callable[[], None] | None = None,
+                follow: bool = True) -> None:
         """stage(stager) fills the next pinned mirror; then copy it (`meta` up to its first
         `meta_rows` block-table rows) and the previous step's sampled tokens (when
         placeholders read them) in, run `after_copy` (device writes over the copied
-        buffers), and replay."""
+        buffers), and replay; then the follower's graph, if `follow`."""
         staging = self._staging[self._steps_staged % len(self._staging)]
         self._steps_staged += 1
         staging.wait_copied()
@@ -119,6 +122,19 @@ class GraphSet:
         if after_copy is not None:
             after_copy()
         self.graphs[size].replay()
+        if follow and self.follower is not None:
+            self.follow_graphs[size].replay()
+
+
+def _capture(record: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object, object]:
+    """A graph of record() after one eager warm-up run (compiles kernels, settles the
+    allocator), in `pool` (None: a new one); with its pool and what record() returned."""
+    record()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = record()
+    return graph, graph.pool(), outputs
 
 
 class _PinnedStaging:

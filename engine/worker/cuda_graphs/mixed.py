@@ -67,29 +67,31 @@ class MixedGraphs(GraphSet):
         return (len(host.token_ids) <= self.sizes[-1] and len(host.seq_lens) <= self.max_seqs
                 and len(host.sample_indices) <= self.max_sample_rows)
 
-    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_meta(self, size: int) -> AttentionMetadata:
         rows, m = self.rows(size), self.meta
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=self.tokens.slot_mapping[:size], block_tables=m.block_tables[:rows],
             seq_lens=m.seq_lens[:rows], query_start_loc=m.query_start_loc[:rows + 1],
             max_query_len=size, max_seq_len=self.max_model_len)
-        hidden = self._hidden(size, meta)
-        sampled = m.sample_rows[:self.sample_rows(size)]
-        return self._logits_and_draws(hidden.index_select(0, sampled))
+
+    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sampled = self.meta.sample_rows[:self.sample_rows(size)]
+        return self._logits_and_draws(self._hidden(size).index_select(0, sampled))
 
     def run(self, host: HostInputs, sources: list[int], prev_tokens: torch.Tensor | None,
-            draw_inputs: DrawInputs, write_drafts: WriteDrafts | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            draw_inputs: DrawInputs, write_drafts: WriteDrafts | None = None,
+            follow: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for this step (see DecodeGraphs.run); returns the logits and
         draws of its sampling sequences. `write_drafts` writes the draft model's guesses
-        into the token ids on the device before the replay."""
+        into the token ids on the device before the replay; `follow` False: the follower's
+        graph is not replayed."""
         size = next(s for s in self.sizes if s >= len(host.token_ids))
         rows, sample_rows = self.rows(size), self.sample_rows(size)
         after_copy = None if write_drafts is None else (
             lambda: write_drafts(self.tokens.token_ids))
         self._replay(size, lambda stager: stager.write(host, sources, draw_inputs, size, rows,
                                                        sample_rows),
-                     prev_tokens, rows, after_copy)
+                     prev_tokens, rows, after_copy, follow)
         num_samples = len(host.sample_indices)
         return self.logits[size][:num_samples], self.drawn[size][:num_samples]
 
