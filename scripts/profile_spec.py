@@ -132,13 +132,17 @@ def host_profile(run, path: Path) -> None:
 
 def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int = 5) -> dict:
     """The graph's kernels in launch order with their median device us over a few replays,
-    their total, and the host's time to launch the graph (replay(), the device idle)."""
-    launch_us = []
+    their total, and the host's time to launch the graph (replay()) with the device idle and
+    right after launching it once more (a launch of a graph still running may wait)."""
+    launch_us, relaunch_us = [], []
     for _ in range(replays):
         torch.cuda.synchronize()
         start = time.perf_counter()
         graph.replay()
         launch_us.append((time.perf_counter() - start) * 1e6)
+        start = time.perf_counter()
+        graph.replay()
+        relaunch_us.append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
@@ -155,6 +159,7 @@ def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int = 5) -> dict:
     return {"kernels": len(rows), "kernel_sum_us": round(sum(t for _, t in rows), 1),
             "device_us": round(cuda_ms(graph.replay, 20) * 1e3, 1),
             "launch_host_us": round(statistics.median(launch_us), 1),
+            "relaunch_host_us": round(statistics.median(relaunch_us), 1),
             "sequence": [[name[:60], round(t, 2)] for name, t in rows]}
 
 
@@ -244,7 +249,8 @@ def main() -> None:
                      args.out / "profile_spec_host.txt")
     if args.device == "cuda":
         result["graphs"] = profile_graphs(plain, bench, args.k)
-        print(json.dumps({name: [g["kernels"], g["device_us"], g["launch_host_us"]]
+        print(json.dumps({name: [g["kernels"], g["device_us"], g["launch_host_us"],
+                                 g["relaunch_host_us"]]
                           for name, g in result["graphs"].items()}))
     result["args"] = {k: str(v) for k, v in vars(args).items()}
     (args.out / "profile_spec.json").write_text(json.dumps(result, indent=1))

@@ -72,8 +72,8 @@ class Bench:
     def _oracle_drafts(self, seqs: list[ScheduledSequence], drafts: torch.Tensor
                        ) -> torch.Tensor:
         """The draft model's drafts as it made them (its whole cost), then swapped for the
-        oracle's: the acceptance rate is set, the draft's cost is real. Its KV for the
-        swapped tokens is rewritten by the follow pass, which reads the step's tokens."""
+        oracle's: the acceptance rate is set, the draft's cost is real. The draft's KV keeps
+        its own tokens there, which changes what it drafts next, never the output."""
         if self.draft_oracle is None:
             return drafts
         swapped = np.full(drafts.shape, NO_TOKEN, dtype=np.int64)

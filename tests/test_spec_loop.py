@@ -2,6 +2,7 @@
 loop that proposes (n-gram, oracle, or a draft model), scores the k + 1 positions with the
 target in one forward, and verifies. Its output must equal plain decoding's, token for token,
 greedy and seeded-sampled alike; this is the reference the integrated engine must match."""
+import numpy as np
 import pytest
 import torch
 
@@ -124,3 +125,21 @@ def test_the_target_as_its_own_draft_is_always_accepted(model):
     output = speculative_decode(model, None, 1.0, stats, draft_model=model)
     assert len(output) == STEPS
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_draft_token_rows_and_host_drafts():
+    """Drafts [2, 0, 1] over sampling rows [4 5 6 | 9 | 12 13]: the drafts sit in token rows
+    5, 6 and 13, at flat indices 0, 1 and 4 of the [3, 2] drafts tensor, NO_TOKEN elsewhere."""
+    from engine.core.batch import ScheduledSequence
+    from engine.core.request import SamplingParams
+    from engine.worker.draft_rows import draft_token_rows, host_drafts
+    from engine.worker.spec_verify import NO_TOKEN
+
+    greedy = SamplingParams(temperature=0.0)
+    seqs = [ScheduledSequence(name, tokens, 7, (0,), True, greedy, num_drafts=n)
+            for name, tokens, n in (("a", [1, 20, 21], 2), ("b", [2], 0), ("c", [3, 30], 1))]
+    rows, flat = draft_token_rows(seqs, np.array([4, 5, 6, 9, 12, 13]), width=2)
+    assert rows.tolist() == [5, 6, 13] and flat.tolist() == [0, 1, 4]
+    drafts = host_drafts(seqs, torch.device("cpu"))
+    assert drafts.tolist() == [[20, 21], [NO_TOKEN, NO_TOKEN], [30, NO_TOKEN]]
+    assert drafts.view(-1)[torch.from_numpy(flat)].tolist() == [20, 21, 30]

@@ -48,10 +48,7 @@ def draft_token_rows(seqs: list[ScheduledSequence], sample_indices: np.ndarray,
     counts = num_drafts + 1
     is_draft = np.ones(int(counts.sum()), dtype=bool)
     is_draft[np.cumsum(counts) - counts] = False
-    seq_of_draft = np.repeat(np.arange(len(seqs)), num_drafts)
-    nth = np.arange(int(num_drafts.sum())) - np.repeat(np.cumsum(num_drafts) - num_drafts,
-                                                        num_drafts)
-    return sample_indices[is_draft], seq_of_draft * width + nth
+    return sample_indices[is_draft], np.flatnonzero(np.arange(width) < num_drafts[:, None])
 
 
 def host_drafts(seqs: list[ScheduledSequence], device: torch.device) -> torch.Tensor:

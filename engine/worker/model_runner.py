@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -21,6 +20,7 @@ from engine.worker.draft_rows import (draft_token_rows, host_drafts, position_ro
                                       verify_drafts)
 from engine.worker.spec_timing import measure_step_times
 from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
+from engine.worker.cuda_graphs.mixed import WriteDrafts
 from engine.worker.inputs import (HostInputs, is_decode_step, prepare_host_inputs,
                                   take_placeholders, to_device, upload)
 from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
@@ -241,7 +241,7 @@ class ModelRunner:
         return self.model.lm_head(hidden[step.sample_indices]), None
 
     def _draft_writer(self, out: SchedulerOutput, host: HostInputs, drafts: torch.Tensor
-                      ) -> Callable[[torch.Tensor], None]:
+                      ) -> WriteDrafts:
         """input_ids -> None: writes `drafts` into the token rows of the draft slots."""
         rows, flat = draft_token_rows([s for s in out.sequences if s.sample],
                                       host.sample_indices, drafts.shape[1])
