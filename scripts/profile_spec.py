@@ -1,5 +1,5 @@
 """Where a speculative step's time goes with a draft model: the host phases of
-EngineCore.step (schedule, the draft's fill and its iteration launches, the target's launch,
+EngineCore.step (schedule, the draft's fill and its catch-up launches, the target's launch,
 the waits, update) against the device's busy and idle time, from a torch.profiler trace of
 one stream decoding with every step drafting k (the oracle sets acceptance, as in
 bench_spec.py --draft-model).
@@ -10,10 +10,10 @@ Prints a timeline of a few steps (host phases, and the device's busy segments: k
 closer than 5 us merged) and writes profile_spec.json: per step, the wall time, the device's
 busy time, and each host phase's time (inflated by the profiler's own host cost, so a second
 run times the phases with perf_counter alone: "host_phases_ms"); and "graphs": each CUDA
-graph a speculative step replays (the draft's decode graph, the target's verification
-graph, the draft's follow pass over the same tokens, which a step of verification rows only
-skips) and the target's plain decode graph, replayed alone under the profiler: its kernels in
-order with their device time.
+graph a speculative step replays (the draft's chain of k iterations, its decode graph, which
+a catch-up replays, the target's verification graph, the draft's follow pass over the same
+tokens, which a step of verification rows only skips) and the target's plain decode graph,
+replayed alone under the profiler: its kernels in order with their device time.
 """
 from __future__ import annotations
 
@@ -84,8 +84,7 @@ def install_ranges(bench: Bench) -> None:
     drafter = core.runner.drafter
     annotate(core.scheduler, "schedule", "schedule")
     annotate(core.scheduler, "update", "update")
-    annotate_waits(drafter.runner, "draft wait")
-    annotate(drafter.runner, "launch", "draft launch")
+    annotate(drafter.runner, "launch_on", "draft catch-up")
     annotate(drafter, "fill", "fill")
     annotate_waits(core.runner, "target wait")
     annotate(core.runner, "launch", "target launch")
@@ -166,13 +165,14 @@ def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int = 5) -> dict:
 def profile_graphs(plain: Bench, bench: Bench, k: int) -> dict:
     """Each graph as the last step of its size left its buffers."""
     target = bench.engine.core.runner
-    draft = bench.engine.core.runner.drafter.runner
+    drafter = bench.engine.core.runner.drafter
     verify_size = next(s for s in target.mixed_graphs.sizes if s >= k + 1)
     return {"target_decode_1": graph_kernels(plain.engine.core.runner.decode_graphs.graphs[1]),
             f"target_verify_{verify_size}": graph_kernels(target.mixed_graphs.graphs[verify_size]),
             f"draft_follow_{verify_size}":
                 graph_kernels(target.mixed_graphs.follow_graphs[verify_size]),
-            "draft_decode_1": graph_kernels(draft.decode_graphs.graphs[1])}
+            "draft_decode_1": graph_kernels(drafter.runner.decode_graphs.graphs[1]),
+            f"draft_chain_{k}_1": graph_kernels(drafter.chains[k].graphs[1])}
 
 
 def busy_segments(kernels: list[tuple[float, float]]) -> list[list[float]]:

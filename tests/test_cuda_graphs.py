@@ -12,6 +12,7 @@ from engine.worker.cuda_graphs import (DecodeGraphs, DecodeStager, MixedGraphs, 
                                        capture_sizes, decode_meta_layout, mixed_capture_sizes,
                                        mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
+from engine.worker.cuda_graphs.draft_chain import DraftChainGraphs
 from engine.spec.oracle import OracleProposer
 from engine.worker.inputs import prepare_host_inputs
 
@@ -44,16 +45,38 @@ def test_graph_decode_equals_eager(tiny_checkpoint, dtype, params):
     assert results[0] == results[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("draft_tokens", [1, 3])
+def test_draft_model_chain_graphs_equal_eager(tiny_checkpoint, draft_tokens):
+    """The draft's iterations as chain graphs (one per draft length) and eagerly: the same
+    tokens, and those of decoding without speculation (float32, the target drafting for
+    itself: nearly every draft accepted, so catch-ups run too)."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 200))] for _ in range(9)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
+    speculative = {"model": str(tiny_checkpoint), "num_speculative_tokens": draft_tokens}
+    results = []
+    for eager, spec in ((True, None), (True, speculative), (False, speculative)):
+        llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype="float32", max_num_seqs=16,
+                  enforce_eager=eager, num_kv_blocks=512, speculative_config=spec)
+        if spec:
+            assert (llm.engine.runner.drafter.chains is None) == eager
+            llm.engine.core.speculator.switch = None  # every step drafts, whatever it costs
+        results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if spec:
+            stats = llm.engine.core.speculator.stats
+            assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+    assert results[0] == results[1] == results[2]
+
+
 class _EagerReplay:
-    """Stands in for a captured graph on CPU: replay recomputes the graph's outputs in place."""
+    """Stands in for a captured graph on CPU: replay recomputes the graph's outputs."""
 
     def __init__(self, graphs, size: int):
         self.graphs, self.size = graphs, size
 
     def replay(self) -> None:
-        logits, drawn = self.graphs.forward(self.size)
-        self.graphs.logits[self.size].copy_(logits)
-        self.graphs.drawn[self.size].copy_(drawn)
+        self.graphs.outputs[self.size] = self.graphs.forward(self.size)
 
 
 class _EagerFollow:
@@ -66,12 +89,9 @@ class _EagerFollow:
         self.graphs._follow(self.size)
 
 
-def replay_eagerly(graphs, rows_of) -> None:
-    """Give a graph set on CPU eager replays and output buffers, as capture would."""
+def replay_eagerly(graphs) -> None:
+    """Give a graph set on CPU eager replays, as capture would give it graphs."""
     for size in graphs.sizes:
-        rows = rows_of(size)
-        graphs.logits[size] = torch.empty(rows, graphs.model.config.vocab_size)
-        graphs.drawn[size] = torch.empty(rows, dtype=torch.int64)
         graphs.graphs[size] = _EagerReplay(graphs, size)
         if graphs.follower is not None:
             graphs.follow_graphs[size] = _EagerFollow(graphs, size)
@@ -115,8 +135,8 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                                   runner.block_size, 1024, torch.device("cpu"))
             mixed = MixedGraphs(runner.model, runner.kv_caches, 24, 4,
                                 runner.max_blocks_per_seq, 1024, torch.device("cpu"))
-            replay_eagerly(decode, lambda size: size)
-            replay_eagerly(mixed, mixed.rows)
+            replay_eagerly(decode)
+            replay_eagerly(mixed)
             runner.decode_graphs, runner.mixed_graphs = decode, mixed
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if with_graphs:
@@ -251,7 +271,8 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
     replay the mixed-step graph of their padded token count, replaced by eager replays as
     above: the tokens are those of plain eager decoding. For the n-gram method the oracle
     proposer replays them, each draft corrupted with probability 0.3; the draft model (the
-    target's own weights) writes its drafts into the staged token ids on the device."""
+    target's own weights, its iterations through chain graphs replayed eagerly too) writes
+    its drafts into the staged token ids on the device."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
     rng = random.Random(5)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 30))] for _ in range(4)]
@@ -270,8 +291,16 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
             mixed = MixedGraphs(runner.model, runner.kv_caches, 24, 4,
                                 runner.max_blocks_per_seq, 1024, torch.device("cpu"),
                                 runner.max_sample_rows, follower)
-            replay_eagerly(mixed, mixed.sample_rows)
+            replay_eagerly(mixed)
             runner.mixed_graphs = mixed
+        if speculative and method == "draft_model":
+            draft = runner.drafter.runner
+            chains = runner.drafter.chains = {
+                k: DraftChainGraphs(draft.model, draft.kv_caches, 4, draft.max_blocks_per_seq,
+                                    draft.block_size, 1024, torch.device("cpu"), k)
+                for k in (1, 2, 3)}
+            for chain in chains.values():
+                replay_eagerly(chain)
         if speculative and method == "ngram":
             oracle = llm.engine.core.speculator.proposer = OracleProposer(0.7, 50257)
             for i, reference in enumerate(results[0]):
@@ -280,3 +309,5 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
     assert results[0] == results[1]
     assert llm.engine.core.speculator.stats.num_accepted_tokens > 0
     assert mixed._steps_staged >= 5  # the verification steps went through the staging
+    if method == "draft_model":  # and the draft's iterations through its chain graphs'
+        assert sum(chain._steps_staged for chain in chains.values()) >= 5

@@ -8,14 +8,11 @@ the block manager stays the one owner of blocks.
     only ones         a CUDA graph of its own replayed after the target's, writing draft KV
                       wherever the target writes KV; a step whose every sequence verifies
                       drafts skips it (fill wrote their KV but the last draft's: _catch_up)
-    before a step     fill(): k greedy decode iterations over the speculating sequences,
-    with drafts       queued on the device; their tokens, a device tensor, fill the step's
+    before a step     fill(): the draft's greedy iterations over the sampling sequences,
+    with drafts       chained on the device (cuda_graphs/draft_chain.py: one graph launch
+                      on CUDA); their tokens, a device tensor, fill the step's
                       UNFILLED_DRAFT slots there (ModelRunner._draft_writer) and are judged
                       there, so the host never waits for a draft
-
-    iteration  0        1        2        3          (k = 4, last token t19 at position 19)
-    feeds      t19@19   d1@20    d2@21    d3@22      each writes the draft's KV there
-    argmax     d1       d2       d3       d4         iteration i + 1 reads i's on the device
 
 So the draft has KV for every token the target has KV for (prefix-cache hits included: a
 cached block was computed with the draft following), and a rejected draft's slots are
@@ -25,6 +22,8 @@ existing verification (`accept_drawn`) exact rejection sampling for sampled rows
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,10 +33,11 @@ from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence, SchedulerOut
 from engine.core.config import EngineConfig, check_draft_model
 from engine.core.request import SamplingParams
 from engine.worker.attention import AttentionMetadata
-from engine.worker.inputs import upload
-from engine.worker.spec_verify import NO_TOKEN
+from engine.worker.cuda_graphs.draft_chain import DraftChainGraphs, greedy_chain
+from engine.worker.inputs import prepare_host_inputs, to_device, upload
 from engine.worker.models.gpt2 import GPT2Config, find_checkpoint
 
+log = logging.getLogger(__name__)
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -65,14 +65,27 @@ def draft_runner_config(config: EngineConfig, num_kv_blocks: int) -> EngineConfi
 
 
 class Drafter:
-    def __init__(self, runner) -> None:
-        """runner: the draft's ModelRunner (draft_runner_config)."""
+    def __init__(self, runner, max_drafts: int) -> None:
+        """runner: the draft's ModelRunner (draft_runner_config); with CUDA graphs, a chain
+        graph set is captured for each draft length 1..max_drafts, in its graphs' pool."""
         self.runner = runner
-        self._step_id = 0  # the draft runner's own steps: iteration i + 1 reads i's tokens
+        self.chains = None if runner.decode_graphs is None else self._capture_chains(max_drafts)
         # the last fill's drafts, and for a step run without the follow pass, each request's
         # last draft: (its position, its index in the flattened drafts); see _catch_up
         self._last_drafts: torch.Tensor | None = None
         self._unfollowed: dict[str, tuple[int, int]] = {}
+
+    def _capture_chains(self, max_drafts: int) -> dict[int, DraftChainGraphs]:
+        runner, sched, start = self.runner, self.runner.config.scheduler, time.perf_counter()
+        chains = {}
+        for k in range(1, max_drafts + 1):
+            chains[k] = DraftChainGraphs(runner.model, runner.kv_caches, sched.max_num_seqs,
+                                         runner.max_blocks_per_seq, runner.block_size,
+                                         sched.max_model_len, runner.device, k)
+            runner.graph_pool = chains[k].capture(runner.graph_pool)
+        log.info("captured the draft's chain graphs (1..%d iterations) in %.1f s", max_drafts,
+                 time.perf_counter() - start)
+        return chains
 
     def follow(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> None:
@@ -81,30 +94,33 @@ class Drafter:
 
     def fill(self, seqs: list[ScheduledSequence], skips_follow: bool) -> torch.Tensor:
         """The draft's greedy guesses for `seqs` (a step's sampling sequences), as
-        [len(seqs), most drafts] int64 on the device, NO_TOKEN past a sequence's own.
-        Iteration i + 1 reads iteration i's tokens on the device: every iteration is queued
-        without a host sync, and so is the target's step after them. `skips_follow`: the
+        [len(seqs), most drafts] int64 on the device, NO_TOKEN past a sequence's own; queued
+        without a host sync, as the target's step after them is. `skips_follow`: the
         target's step will run without the follow pass."""
-        width = max(s.num_drafts for s in seqs)
-        drafts = torch.full((len(seqs), width), NO_TOKEN, dtype=torch.int64,
-                            device=self.runner.device)
         self._catch_up(seqs)
-        speculating = [row for row, s in enumerate(seqs) if s.num_drafts]
-        rows_before: dict[int, int] = {}
-        for i in range(width):
-            active = [row for row in speculating if seqs[row].num_drafts > i]
-            steps = [_draft_row(seqs[row], i, rows_before.get(row, -1)) for row in active]
-            rows_before = {row: n for n, row in enumerate(active)}
-            self._step_id += 1
-            pending = self.runner.launch_on(SchedulerOutput(steps, step_id=self._step_id),
-                                            self.runner.kv_caches, copy_to_host=False)
-            # before the next iteration's replay overwrites the graph's output
-            drafts[upload(active, torch.int64, drafts.device), i] = pending.sampled.token_ids
+        width = max(s.num_drafts for s in seqs)
+        rows, counts = [_chain_row(s) for s in seqs], [s.num_drafts for s in seqs]
+        drafts = (self.chains[width].run(rows, counts) if self.chains is not None
+                  else self._eager_chain(rows, counts, width))
         self._last_drafts = drafts
         self._unfollowed = {s.request_id: (s.start_position + s.num_drafts,
                                            row * width + s.num_drafts - 1)
                             for row, s in enumerate(seqs) if s.num_drafts and skips_follow}
         return drafts
+
+    def _eager_chain(self, rows: list[ScheduledSequence], counts: list[int],
+                     width: int) -> torch.Tensor:
+        """greedy_chain without graphs (CPU, eager mode, the torch attention backend)."""
+        runner, model = self.runner, self.runner.model
+        step = to_device(prepare_host_inputs(rows, runner.block_size, runner.max_blocks_per_seq),
+                         runner.device)
+        greedy = torch.zeros(len(rows), device=runner.device)
+
+        def draw(hidden: torch.Tensor) -> torch.Tensor:
+            return model.ops.sample(model.lm_head(hidden), greedy, greedy.long())
+
+        return greedy_chain(model, runner.kv_caches, step.input_ids, step.positions, step.meta,
+                            upload(counts, torch.int32, runner.device), width, draw)
 
     def _catch_up(self, seqs: list[ScheduledSequence]) -> None:
         """A verification step without the follow pass leaves the draft without KV at each
@@ -120,16 +136,14 @@ class Drafter:
                                    True, GREEDY, prev_sample_row=n)
                  for n, (s, position, _) in enumerate(lagging)]
         flat = upload([index for _, _, index in lagging], torch.int64, self.runner.device)
-        self._step_id += 1
-        self.runner.launch_on(SchedulerOutput(steps, step_id=self._step_id),
-                              self.runner.kv_caches, copy_to_host=False,
-                              placeholder_tokens=self._last_drafts.view(-1)[flat])
+        self.runner.launch_on(SchedulerOutput(steps), self.runner.kv_caches, copy_to_host=False,
+                              placeholder_tokens=self._last_drafts.reshape(-1)[flat])
 
 
-def _draft_row(seq: ScheduledSequence, i: int, source: int) -> ScheduledSequence:
-    """Iteration i of seq's drafting: its last known token (i = 0), else the draft that
-    iteration i - 1 drew, row `source` of its output; at the position after the previous."""
+def _chain_row(seq: ScheduledSequence) -> ScheduledSequence:
+    """seq's first drafting iteration: its last known token at its position (token 0 for a
+    sequence without drafts, whose row writes and returns nothing)."""
     known = len(seq.token_ids) - seq.num_drafts
-    token = seq.token_ids[known - 1] if i == 0 else PLACEHOLDER_TOKEN
-    return ScheduledSequence(seq.request_id, [token], seq.start_position + known - 1 + i,
-                             seq.block_ids, True, GREEDY, prev_sample_row=source)
+    token = seq.token_ids[known - 1] if seq.num_drafts else 0
+    return ScheduledSequence(seq.request_id, [token], seq.start_position + known - 1,
+                             seq.block_ids, True, GREEDY)

@@ -33,11 +33,8 @@ from engine.worker.startup import StartupCache, StartupPhases, default_cache_dir
 log = logging.getLogger(__name__)
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, decode_steps_queued: int = 2):
-        """decode_steps_queued: how many decode steps may be queued on the device before the
-        host must wait to stage another (the draft model queues its k iterations)."""
+    def __init__(self, config: EngineConfig):
         self.config = config
-        self.decode_steps_queued = decode_steps_queued
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
@@ -66,6 +63,7 @@ class ModelRunner:
         # captured once the KV cache exists
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.graph_pool = None  # their memory pool, which later graph sets share
         # the last launched step's sampled tokens, which the next step's placeholders name
         self._last_step: LaunchedStep | None = None
         # the draft model's runner (draft_model method), its pool as large as this one's:
@@ -84,8 +82,8 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv_cache(self.num_kv_blocks)
         self.startup.add("KV sizing", time.perf_counter() - start, sizing)
         if draft is not None:
-            self.drafter = Drafter(ModelRunner(draft_runner_config(config, self.num_kv_blocks),
-                                               decode_steps_queued=self.max_drafts + 1))
+            self.drafter = Drafter(ModelRunner(draft_runner_config(config, self.num_kv_blocks)),
+                                   self.max_drafts)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB); %.1f requests fit at the full "
                  "%d-token context; sized in %.1f s", self.num_kv_blocks, self.block_size,
                  self.num_kv_blocks * self.kv_block_bytes / 2**30,
@@ -104,19 +102,18 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         """Mixed-step graphs (the larger) first, then decode graphs, in one memory pool;
         with a draft model, each graph runs its forward over the step's inputs too."""
-        sched, start, pool = self.config.scheduler, time.perf_counter(), None
+        sched, start = self.config.scheduler, time.perf_counter()
         follower = None if self.drafter is None else self.drafter.follow
         if self.config.model.mixed_step_graphs:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches,
                                             sched.max_num_batched_tokens, sched.max_num_seqs,
                                             self.max_blocks_per_seq, sched.max_model_len,
                                             self.device, self.max_sample_rows, follower)
-            pool = self.mixed_graphs.capture()
+            self.graph_pool = self.mixed_graphs.capture()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
                                    self.max_blocks_per_seq, self.block_size,
-                                   sched.max_model_len, self.device, follower,
-                                   self.decode_steps_queued)
-        self.decode_graphs.capture(pool)
+                                   sched.max_model_len, self.device, follower)
+        self.graph_pool = self.decode_graphs.capture(self.graph_pool)
         self.startup.add("graphs", time.perf_counter() - start)
         log.info("captured CUDA graphs in %.1f s: decode for batch sizes %s; mixed steps for "
                  "token counts %s", time.perf_counter() - start, self.decode_graphs.sizes,
@@ -246,7 +243,7 @@ class ModelRunner:
         rows, flat = draft_token_rows([s for s in out.sequences if s.sample],
                                       host.sample_indices, drafts.shape[1])
         rows, flat = (upload(a, torch.int64, self.device) for a in (rows, flat))
-        return lambda input_ids: input_ids.index_put_((rows,), drafts.view(-1)[flat])
+        return lambda input_ids: input_ids.index_put_((rows,), drafts.reshape(-1)[flat])
 
     def _prev_sampled(self, out: SchedulerOutput, sources: list[int]) -> torch.Tensor | None:
         """The device tokens that `out`'s placeholders (sources >= 0) name: those step

@@ -15,6 +15,7 @@ the split-KV grid covers any sequence, and the kernels mask by seq_lens.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ import torch
 from engine.core.batch import ScheduledSequence
 from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout, stage_draw_inputs
-from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, capture_sizes
+from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, MakeStager, capture_sizes
 from engine.worker.sampler import DrawInputs
 
 PADDING_ROW = (0,)  # a padding row attends to position 0 of block 0 (the cache is zeroed)
@@ -33,15 +34,18 @@ def decode_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
     return BufferLayout(seq_lens=max_batch, block_tables=(max_batch, max_blocks_per_seq))
 
 
-class DecodeGraphs(GraphSet):
+class OneTokenGraphs(GraphSet):
+    """A graph set whose rows hold one token each, per padded batch size (capture_sizes):
+    decode attention metadata over a meta buffer with `seq_lens` and `block_tables`."""
+
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
-                 max_blocks_per_seq: int, block_size: int, max_model_len: int,
-                 device: torch.device, follower: Follower | None = None, mirrors: int = 2):
+                 max_model_len: int, device: torch.device,
+                 meta_layout: Callable[[int], BufferLayout], make_stager: MakeStager,
+                 follower: Follower | None = None):
+        """meta_layout(max_batch): the set's int32 buffer."""
         sizes = capture_sizes(max_num_seqs)
-        super().__init__(model, kv_caches, sizes,
-                         decode_meta_layout(sizes[-1], max_blocks_per_seq), device,
-                         lambda tokens, meta: DecodeStager(tokens, meta, block_size), follower,
-                         mirrors)
+        super().__init__(model, kv_caches, sizes, meta_layout(sizes[-1]), device, make_stager,
+                         follower)
         self.max_model_len = max_model_len
         self.query_start_loc = torch.arange(sizes[-1] + 1, dtype=torch.int32, device=device)
 
@@ -49,12 +53,25 @@ class DecodeGraphs(GraphSet):
     def max_batch(self) -> int:
         return self.sizes[-1]
 
+    def size_for(self, batch: int) -> int:
+        """The smallest captured size that holds `batch` rows."""
+        return next(s for s in self.sizes if s >= batch)
+
     def attention_meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.tokens.slot_mapping[:size],
             block_tables=self.meta.block_tables[:size], seq_lens=self.meta.seq_lens[:size],
             query_start_loc=self.query_start_loc[:size + 1], max_query_len=1,
             max_seq_len=self.max_model_len)
+
+
+class DecodeGraphs(OneTokenGraphs):
+    def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
+                 max_blocks_per_seq: int, block_size: int, max_model_len: int,
+                 device: torch.device, follower: Follower | None = None):
+        super().__init__(model, kv_caches, max_num_seqs, max_model_len, device,
+                         lambda rows: decode_meta_layout(rows, max_blocks_per_seq),
+                         lambda tokens, meta: DecodeStager(tokens, meta, block_size), follower)
 
     def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._logits_and_draws(self._hidden(size))
@@ -67,10 +84,11 @@ class DecodeGraphs(GraphSet):
         [B, vocab] and each row's token drawn at its temperature and seed (`draw_inputs`),
         views valid until the next replay."""
         batch = len(seqs)
-        size = next(s for s in self.sizes if s >= batch)
+        size = self.size_for(batch)
         self._replay(size, lambda stager: stager.write(seqs, size, sources, draw_inputs),
                      prev_tokens, size)
-        return self.logits[size][:batch], self.drawn[size][:batch]
+        logits, drawn = self.outputs[size]
+        return logits[:batch], drawn[:batch]
 
 
 class DecodeStager:

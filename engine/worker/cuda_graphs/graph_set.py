@@ -37,19 +37,18 @@ Follower = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None]
 
 class GraphSet:
     """Graphs of one kind, one per padded size, reading two packed device buffers: `tokens`
-    (int64, `token_layout`) and `meta` (int32, the subclass's layout). Pinned staging
-    mirrors (two, or `mirrors`) fill them in turn: when step N+1 is staged (scheduling
-    ahead), step N's copies may still be queued behind step N-1 on the device, so N+1 writes
-    the mirror N-1 used, once its copies are done (an event per mirror). The draft model
-    queues its k iterations without a wait in between: k + 1 mirrors let them all queue. A
-    subclass defines attention_meta(size) over the buffers and forward(size): what its graph
-    of that size records, run eagerly (logits and each row's draw). A `follower` gets a graph
-    of its own per size, over the same inputs, replayed after the model's unless a step
-    says not to (`_replay`'s follow)."""
+    (int64, `token_layout`) and `meta` (int32, the subclass's layout). Two pinned staging
+    mirrors fill them in turn: when step N+1 is staged (scheduling ahead), step N's copies
+    may still be queued behind step N-1 on the device, so N+1 writes the mirror N-1 used,
+    once its copies are done (an event per mirror). A subclass defines attention_meta(size)
+    over the buffers and forward(size): what its graph of that size records, run eagerly;
+    its result stays in `outputs[size]` (valid until the next replay of that size). A
+    `follower` gets a graph of its own per size, over the same inputs, replayed after the
+    model's unless a step says not to (`_replay`'s follow)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: list[int],
                  meta_layout: BufferLayout, device: torch.device, make_stager: MakeStager,
-                 follower: Follower | None = None, mirrors: int = 2):
+                 follower: Follower | None = None):
         self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
         self.follower = follower
         self.token_layout, self.meta_layout = token_layout(sizes[-1]), meta_layout
@@ -58,13 +57,12 @@ class GraphSet:
         self.tokens = self.token_layout.views(self._ids64)
         self.meta = meta_layout.views(self._ids32)
         self.tokens.slot_mapping.fill_(-1)  # nothing is stored while the graphs are captured
-        self._staging = [_PinnedStaging(self, make_stager, device) for _ in range(mirrors)]
+        self._staging = [_PinnedStaging(self, make_stager, device) for _ in range(2)]
         self._steps_staged = 0
         self._token_pool = self._ids64[:self.token_layout.end("token_ids")]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.follow_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.drawn: dict[int, torch.Tensor] = {}  # each row's draw from its logits
+        self.outputs: dict[int, object] = {}  # what each size's forward returned
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Input ids (gathered by token source) and positions of the first `size` rows."""
@@ -92,8 +90,8 @@ class GraphSet:
         """Capture every size, largest first, into `pool` (None: a new one). Returns the
         pool, for the next set to share."""
         for size in reversed(self.sizes):
-            self.graphs[size], pool, outputs = _capture(lambda: self.forward(size), pool)
-            self.logits[size], self.drawn[size] = outputs
+            self.graphs[size], pool, self.outputs[size] = _capture(lambda: self.forward(size),
+                                                                   pool)
             if self.follower is not None:
                 self.follow_graphs[size], pool, _ = _capture(lambda: self._follow(size), pool)
         torch.cuda.synchronize()
@@ -140,7 +138,7 @@ def _capture(record: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object, obje
 class _PinnedStaging:
     """Pinned host mirrors of a graph set's two buffers, with the stager that fills them and
     an event marking when the device has taken their last copies (steps launched without a
-    wait in between, as the draft model's, must not rewrite a mirror still queued)."""
+    wait in between must not rewrite a mirror still queued)."""
 
     def __init__(self, graphs: GraphSet, make_stager: MakeStager, device: torch.device):
         self.ids64 = torch.zeros_like(graphs._ids64, device="cpu").pin_memory()

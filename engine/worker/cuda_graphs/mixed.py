@@ -93,7 +93,8 @@ class MixedGraphs(GraphSet):
                                                        sample_rows),
                      prev_tokens, rows, after_copy, follow)
         num_samples = len(host.sample_indices)
-        return self.logits[size][:num_samples], self.drawn[size][:num_samples]
+        logits, drawn = self.outputs[size]
+        return logits[:num_samples], drawn[:num_samples]
 
 
 class MixedStager:

@@ -1,0 +1,70 @@
+"""The draft's chained greedy iterations (engine/worker/cuda_graphs/draft_chain.py) on CPU:
+each row drafts the model's own greedy continuation, as many tokens as its count, writes KV at
+those positions only, and reads NO_TOKEN after; the chain graphs' staging gives the same."""
+import torch
+
+from engine.core.batch import ScheduledSequence
+from engine.core.request import SamplingParams
+from engine.worker.cuda_graphs.draft_chain import DraftChainGraphs, greedy_chain
+from engine.worker.inputs import prepare_host_inputs, to_device
+from engine.worker.spec_verify import NO_TOKEN
+from test_cuda_graphs import replay_eagerly
+from test_spec_engine import make_llm
+
+COUNTS = [3, 1, 0]  # drafts of rows 0, 1, 2
+FIRST_TOKENS = [11, 4000, 777]
+
+
+def hf_greedy(checkpoint, token: int, steps: int) -> list[int]:
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    tokens = [token]
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[1:]
+
+
+def rows_at_position_zero(block_size: int) -> list[ScheduledSequence]:
+    """Each row its first token at position 0, in blocks of its own."""
+    return [ScheduledSequence(f"r{row}", [token], 0, (2 * row, 2 * row + 1), True,
+                              SamplingParams(temperature=0.0))
+            for row, token in enumerate(FIRST_TOKENS)]
+
+
+def check_drafts_and_kv(checkpoint, drafts: torch.Tensor, runner) -> None:
+    iterations = drafts.shape[1]
+    for row, count in enumerate(COUNTS):
+        expected = hf_greedy(checkpoint, FIRST_TOKENS[row], count)
+        assert drafts[row].tolist() == expected + [NO_TOKEN] * (iterations - count)
+        for k_cache, v_cache in runner.kv_caches:
+            written = k_cache[2 * row, :iterations + 1].abs().sum(dim=(1, 2)) > 0
+            assert written.tolist() == [p < count for p in range(iterations + 1)]
+            assert torch.equal(written, v_cache[2 * row, :iterations + 1].abs().sum((1, 2)) > 0)
+
+
+def test_greedy_chain_drafts_each_rows_count_and_writes_only_their_kv(tiny_checkpoint):
+    runner = make_llm(tiny_checkpoint, block_size=8).engine.runner
+    rows = rows_at_position_zero(runner.block_size)
+    step = to_device(prepare_host_inputs(rows, runner.block_size, runner.max_blocks_per_seq),
+                     runner.device)
+    with torch.inference_mode():
+        drafts = greedy_chain(runner.model, runner.kv_caches, step.input_ids, step.positions,
+                              step.meta, torch.tensor(COUNTS, dtype=torch.int32), 4,
+                              lambda hidden: runner.model.lm_head(hidden).argmax(dim=-1))
+    check_drafts_and_kv(tiny_checkpoint, drafts, runner)
+
+
+def test_chain_graph_staging_gives_the_eager_chain(tiny_checkpoint, monkeypatch):
+    """The graph set's forward over its staged buffers (padded to 4 rows), replayed
+    eagerly as on CPU it must be."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
+    runner = make_llm(tiny_checkpoint, block_size=8).engine.runner
+    chain = DraftChainGraphs(runner.model, runner.kv_caches, 4, runner.max_blocks_per_seq,
+                             runner.block_size, 1024, runner.device, 4)
+    replay_eagerly(chain)
+    with torch.inference_mode():
+        drafts = chain.run(rows_at_position_zero(runner.block_size), COUNTS)
+    assert drafts.shape == (3, 4)
+    check_drafts_and_kv(tiny_checkpoint, drafts, runner)
