@@ -1,6 +1,7 @@
 """CUDA graphs: capture sizes, the stagers' buffers, graph staging == eager (CPU, with eager
 replays), and graph == eager output (GPU only)."""
 import random
+from functools import partial
 
 import numpy as np
 import pytest
@@ -60,7 +61,7 @@ def test_draft_model_chain_graphs_equal_eager(tiny_checkpoint, draft_tokens):
         llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype="float32", max_num_seqs=16,
                   enforce_eager=eager, num_kv_blocks=512, speculative_config=spec)
         if spec:
-            assert (llm.engine.runner.drafter.chains is None) == eager
+            assert (llm.engine.runner.drafter.chain is None) == eager
             llm.engine.core.speculator.switch = None  # every step drafts, whatever it costs
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if spec:
@@ -70,31 +71,27 @@ def test_draft_model_chain_graphs_equal_eager(tiny_checkpoint, draft_tokens):
 
 
 class _EagerReplay:
-    """Stands in for a captured graph on CPU: replay recomputes the graph's outputs."""
+    """Stands in for a captured graph on CPU: replay runs what it would have recorded."""
 
-    def __init__(self, graphs, size: int):
-        self.graphs, self.size = graphs, size
-
-    def replay(self) -> None:
-        self.graphs.outputs[self.size] = self.graphs.forward(self.size)
+    def __init__(self, record):
+        self.replay = record
 
 
-class _EagerFollow:
-    """Stands in for a follower's captured graph on CPU."""
-
-    def __init__(self, graphs, size: int):
-        self.graphs, self.size = graphs, size
-
-    def replay(self) -> None:
-        self.graphs._follow(self.size)
+def _refresh_outputs(graphs, size: int) -> None:
+    graphs.outputs[size] = graphs.forward(size)
 
 
 def replay_eagerly(graphs) -> None:
-    """Give a graph set on CPU eager replays, as capture would give it graphs."""
+    """Give a graph set on CPU eager replays, as capture would give it graphs: a draft
+    chain a replay per iteration, any other set one per size (and the follower's)."""
     for size in graphs.sizes:
-        graphs.graphs[size] = _EagerReplay(graphs, size)
+        if isinstance(graphs, DraftChainGraphs):
+            graphs.graphs[size] = [_EagerReplay(partial(graphs.record_iteration, size, i))
+                                   for i in range(graphs.iterations)]
+            continue
+        graphs.graphs[size] = _EagerReplay(partial(_refresh_outputs, graphs, size))
         if graphs.follower is not None:
-            graphs.follow_graphs[size] = _EagerFollow(graphs, size)
+            graphs.follow_graphs[size] = _EagerReplay(partial(graphs._follow, size))
 
 
 def test_mixed_capture_sizes():
@@ -295,12 +292,10 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
             runner.mixed_graphs = mixed
         if speculative and method == "draft_model":
             draft = runner.drafter.runner
-            chains = runner.drafter.chains = {
-                k: DraftChainGraphs(draft.model, draft.kv_caches, 4, draft.max_blocks_per_seq,
-                                    draft.block_size, 1024, torch.device("cpu"), k)
-                for k in (1, 2, 3)}
-            for chain in chains.values():
-                replay_eagerly(chain)
+            chain = runner.drafter.chain = DraftChainGraphs(
+                draft.model, draft.kv_caches, 4, draft.max_blocks_per_seq, draft.block_size,
+                1024, torch.device("cpu"), 3)
+            replay_eagerly(chain)
         if speculative and method == "ngram":
             oracle = llm.engine.core.speculator.proposer = OracleProposer(0.7, 50257)
             for i, reference in enumerate(results[0]):
@@ -310,4 +305,4 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
     assert llm.engine.core.speculator.stats.num_accepted_tokens > 0
     assert mixed._steps_staged >= 5  # the verification steps went through the staging
     if method == "draft_model":  # and the draft's iterations through its chain graphs'
-        assert sum(chain._steps_staged for chain in chains.values()) >= 5
+        assert chain._steps_staged >= 5

@@ -66,26 +66,24 @@ def draft_runner_config(config: EngineConfig, num_kv_blocks: int) -> EngineConfi
 
 class Drafter:
     def __init__(self, runner, max_drafts: int) -> None:
-        """runner: the draft's ModelRunner (draft_runner_config); with CUDA graphs, a chain
-        graph set is captured for each draft length 1..max_drafts, in its graphs' pool."""
+        """runner: the draft's ModelRunner (draft_runner_config); with CUDA graphs, its
+        iterations are captured too, up to max_drafts, in its graphs' pool."""
         self.runner = runner
-        self.chains = None if runner.decode_graphs is None else self._capture_chains(max_drafts)
+        self.chain = None if runner.decode_graphs is None else self._capture_chain(max_drafts)
         # the last fill's drafts, and for a step run without the follow pass, each request's
         # last draft: (its position, its index in the flattened drafts); see _catch_up
         self._last_drafts: torch.Tensor | None = None
         self._unfollowed: dict[str, tuple[int, int]] = {}
 
-    def _capture_chains(self, max_drafts: int) -> dict[int, DraftChainGraphs]:
+    def _capture_chain(self, max_drafts: int) -> DraftChainGraphs:
         runner, sched, start = self.runner, self.runner.config.scheduler, time.perf_counter()
-        chains = {}
-        for k in range(1, max_drafts + 1):
-            chains[k] = DraftChainGraphs(runner.model, runner.kv_caches, sched.max_num_seqs,
-                                         runner.max_blocks_per_seq, runner.block_size,
-                                         sched.max_model_len, runner.device, k)
-            runner.graph_pool = chains[k].capture(runner.graph_pool)
-        log.info("captured the draft's chain graphs (1..%d iterations) in %.1f s", max_drafts,
-                 time.perf_counter() - start)
-        return chains
+        chain = DraftChainGraphs(runner.model, runner.kv_caches, sched.max_num_seqs,
+                                 runner.max_blocks_per_seq, runner.block_size,
+                                 sched.max_model_len, runner.device, max_drafts)
+        runner.graph_pool = chain.capture(runner.graph_pool)
+        log.info("captured the draft's %d iterations for batch sizes %s in %.1f s", max_drafts,
+                 chain.sizes, time.perf_counter() - start)
+        return chain
 
     def follow(self, input_ids: torch.Tensor, positions: torch.Tensor,
                meta: AttentionMetadata) -> None:
@@ -100,7 +98,7 @@ class Drafter:
         self._catch_up(seqs)
         width = max(s.num_drafts for s in seqs)
         rows, counts = [_chain_row(s) for s in seqs], [s.num_drafts for s in seqs]
-        drafts = (self.chains[width].run(rows, counts) if self.chains is not None
+        drafts = (self.chain.run(rows, counts) if self.chain is not None
                   else self._eager_chain(rows, counts, width))
         self._last_drafts = drafts
         self._unfollowed = {s.request_id: (s.start_position + s.num_drafts,

@@ -1,6 +1,7 @@
 """The draft model's greedy decode iterations, chained on the device: `greedy_chain`, and
-`DraftChainGraphs`, which captures it once per padded batch size for k iterations, so a
-step's drafting costs one graph launch instead of k.
+`DraftChainGraphs`, which captures each iteration once per padded batch size, reading the
+one before it on the device, so a step's drafting is staged once and its k graphs are
+launched back to back.
 
     iteration   0          1          2          3          (k = 4; a row with 4 drafts,
     feeds       t19 @19    d1 @20     d2 @21     d3 @22      last known token t19 at 19)
@@ -8,12 +9,17 @@ step's drafting costs one graph launch instead of k.
     writes      KV @19     KV @20     KV @21     KV @22     the draft's, in the row's slots
 
 A row with d < k drafts repeats its last position in the later iterations without writing
-(slot -1), and its drafts after the d-th are NO_TOKEN; a row with none writes nothing. Each
-iteration's slots and lengths come from the rows' positions and block tables on the device.
+(slot -1), and its drafts after the d-th are NO_TOKEN; a row with none writes nothing. Every
+iteration's positions, slots and lengths are computed on the device before the first
+(`ChainPlan`), from the rows' positions, block tables and draft counts.
+
+One graph per iteration rather than one for the chain: a graph launch costs the host time
+in proportion to its kernels, and the device starts on the first iteration while the host
+launches the next.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -23,9 +29,44 @@ from engine.core.batch import ScheduledSequence
 from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout
 from engine.worker.cuda_graphs.decode import DecodeStager, OneTokenGraphs
+from engine.worker.cuda_graphs.graph_set import capture_graph
 from engine.worker.spec_verify import NO_TOKEN
 
 Draw = Callable[[torch.Tensor], torch.Tensor]  # hidden states [B, D] -> greedy tokens [B]
+
+
+@dataclass(frozen=True)
+class ChainPlan:
+    """Each iteration's inputs, [iterations, rows] each: row i is iteration i's."""
+    positions: torch.Tensor  # int64
+    slots: torch.Tensor  # int64, -1 where the row writes no KV
+    seq_lens: torch.Tensor  # int32
+    drafted: torch.Tensor  # bool: the row drafts at this iteration
+
+    @staticmethod
+    def of(positions: torch.Tensor, block_tables: torch.Tensor, draft_counts: torch.Tensor,
+           iterations: int, block_size: int) -> ChainPlan:
+        """From each row's first position, block table and draft count."""
+        steps = torch.arange(iterations, device=positions.device)[:, None]
+        counts = draft_counts.long()[None, :]
+        first = positions[None, :]
+        at = torch.minimum(first + steps, first + (counts - 1).clamp(min=0))
+        blocks = block_tables.gather(1, (at // block_size).t()).t().contiguous()
+        drafted = steps < counts
+        slots = torch.where(drafted, blocks * block_size + at % block_size, -1)
+        return ChainPlan(at, slots, (at + 1).int(), drafted)
+
+    def iteration(self, model: torch.nn.Module, kv_caches: list, input_ids: torch.Tensor,
+                  meta: AttentionMetadata, i: int, draw: Draw) -> torch.Tensor:
+        """Iteration i's greedy tokens, one a row, from its input ids; `meta`: the rows'
+        block tables, query starts and longest length before the first iteration."""
+        step_meta = replace(meta, slot_mapping=self.slots[i], seq_lens=self.seq_lens[i],
+                            max_seq_len=meta.max_seq_len + i, seq_lens_host=None)
+        return draw(model(input_ids, self.positions[i], kv_caches, step_meta))
+
+    def drafts(self, tokens: torch.Tensor, i: int) -> torch.Tensor:
+        """Iteration i's tokens as drafts: NO_TOKEN for rows drafting fewer."""
+        return tokens.masked_fill(~self.drafted[i], NO_TOKEN)
 
 
 def greedy_chain(model: torch.nn.Module, kv_caches: list, input_ids: torch.Tensor,
@@ -35,18 +76,12 @@ def greedy_chain(model: torch.nn.Module, kv_caches: list, input_ids: torch.Tenso
     `positions` (one token a row; `meta`: their block tables, query starts and longest
     length), the row drafting draft_counts[row] tokens (see the module docstring). Returns
     int64 [rows, iterations], NO_TOKEN past a row's count."""
-    counts = draft_counts.long()
-    block_size = kv_caches[0][0].shape[1]
-    last = positions + (counts - 1).clamp(min=0)
+    plan = ChainPlan.of(positions, meta.block_tables, draft_counts, iterations,
+                        kv_caches[0][0].shape[1])
     columns = []
     for i in range(iterations):
-        at = torch.minimum(positions + i, last)
-        blocks = meta.block_tables.gather(1, (at // block_size)[:, None]).squeeze(1)
-        slots = torch.where(counts > i, blocks * block_size + at % block_size, -1)
-        step_meta = replace(meta, slot_mapping=slots, seq_lens=(at + 1).int(),
-                            max_seq_len=meta.max_seq_len + i, seq_lens_host=None)
-        input_ids = draw(model(input_ids, at, kv_caches, step_meta))
-        columns.append(input_ids.masked_fill(counts <= i, NO_TOKEN))
+        input_ids = plan.iteration(model, kv_caches, input_ids, meta, i, draw)
+        columns.append(plan.drafts(input_ids, i))
     return torch.stack(columns, dim=1)
 
 
@@ -57,7 +92,8 @@ def chain_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
 
 
 class DraftChainGraphs(OneTokenGraphs):
-    """greedy_chain over `iterations` steps, one graph per padded batch size."""
+    """greedy_chain's iterations (up to `iterations`), a graph each per padded batch size:
+    graphs[size][i] records `record_iteration(size, i)`. The drafts land in `drafts`."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
@@ -65,21 +101,47 @@ class DraftChainGraphs(OneTokenGraphs):
         super().__init__(model, kv_caches, max_num_seqs, max_model_len, device,
                          lambda rows: chain_meta_layout(rows, max_blocks_per_seq),
                          lambda tokens, meta: DraftChainStager(tokens, meta, block_size))
-        self.iterations = iterations
+        self.iterations, self.block_size = iterations, block_size
+        self.drafts = torch.full((self.max_batch, iterations), NO_TOKEN, dtype=torch.int64,
+                                 device=device)
+        # per size, what the iterations so far left for the next: its plan, its last tokens
+        self._plans: dict[int, ChainPlan] = {}
+        self._tokens: dict[int, torch.Tensor] = {}
 
-    def forward(self, size: int) -> torch.Tensor:
-        input_ids, positions = self._inputs(size)
-        return greedy_chain(self.model, self.kv_caches, input_ids, positions,
-                            self.attention_meta(size), self.meta.draft_counts[:size],
-                            self.iterations, lambda hidden: self._logits_and_draws(hidden)[1])
+    def record_iteration(self, size: int, i: int) -> None:
+        """Iteration i over the first `size` rows; the first one plans them all."""
+        if i == 0:
+            input_ids, positions = self._inputs(size)
+            self._plans[size] = ChainPlan.of(positions, self.meta.block_tables[:size],
+                                             self.meta.draft_counts[:size], self.iterations,
+                                             self.block_size)
+        else:
+            input_ids = self._tokens[size]
+        plan = self._plans[size]
+        tokens = plan.iteration(self.model, self.kv_caches, input_ids, self.attention_meta(size),
+                                i, lambda hidden: self._logits_and_draws(hidden)[1])
+        self.drafts[:size, i] = plan.drafts(tokens, i)
+        self._tokens[size] = tokens
+
+    @torch.inference_mode()
+    def capture(self, pool=None):
+        for size in reversed(self.sizes):
+            self.graphs[size] = []
+            for i in range(self.iterations):
+                graph, pool, _ = capture_graph(lambda: self.record_iteration(size, i), pool)
+                self.graphs[size].append(graph)
+        torch.cuda.synchronize()
+        return pool
 
     def run(self, rows: list[ScheduledSequence], draft_counts: list[int]) -> torch.Tensor:
-        """Replay the graph for these rows (each its last known token at its position) and
-        counts; returns their drafts [len(rows), iterations], valid until the next replay."""
-        size = self.size_for(len(rows))
-        self._replay(size, lambda stager: stager.write_chain(rows, draft_counts, size), None,
-                     size)
-        return self.outputs[size][:len(rows)]
+        """Replay the first max(draft_counts) iterations for these rows (each its last known
+        token at its position); returns their drafts [len(rows), max(draft_counts)], valid
+        until the next run."""
+        size, width = self.size_for(len(rows)), max(draft_counts)
+        self._copy_in(lambda stager: stager.write_chain(rows, draft_counts, size), None, size)
+        for graph in self.graphs[size][:width]:
+            graph.replay()
+        return self.drafts[:len(rows), :width]
 
 
 class DraftChainStager(DecodeStager):

@@ -90,20 +90,31 @@ class GraphSet:
         """Capture every size, largest first, into `pool` (None: a new one). Returns the
         pool, for the next set to share."""
         for size in reversed(self.sizes):
-            self.graphs[size], pool, self.outputs[size] = _capture(lambda: self.forward(size),
-                                                                   pool)
+            self.graphs[size], pool, self.outputs[size] = capture_graph(
+                lambda: self.forward(size), pool)
             if self.follower is not None:
-                self.follow_graphs[size], pool, _ = _capture(lambda: self._follow(size), pool)
+                self.follow_graphs[size], pool, _ = capture_graph(lambda: self._follow(size),
+                                                                  pool)
         torch.cuda.synchronize()
         return pool
 
     def _replay(self, size: int, stage: Callable, prev_tokens: torch.Tensor | None,
                 meta_rows: int, after_copy: Callable[[], None] | None = None,
                 follow: bool = True) -> None:
+        """_copy_in, then run `after_copy` (device writes over the copied buffers), replay,
+        and replay the follower's graph, if `follow`."""
+        self._copy_in(stage, prev_tokens, meta_rows)
+        if after_copy is not None:
+            after_copy()
+        self.graphs[size].replay()
+        if follow and self.follower is not None:
+            self.follow_graphs[size].replay()
+
+    def _copy_in(self, stage: Callable, prev_tokens: torch.Tensor | None,
+                 meta_rows: int) -> None:
         """stage(stager) fills the next pinned mirror; then copy it (`meta` up to its first
         `meta_rows` block-table rows) and the previous step's sampled tokens (when
-        placeholders read them) in, run `after_copy` (device writes over the copied
-        buffers), and replay; then the follower's graph, if `follow`."""
+        placeholders read them) in."""
         staging = self._staging[self._steps_staged % len(self._staging)]
         self._steps_staged += 1
         staging.wait_copied()
@@ -117,14 +128,9 @@ class GraphSet:
         used = self.meta_layout.end("block_tables", meta_rows)
         self._ids32[:used].copy_(staging.ids32[:used], non_blocking=True)
         staging.mark_copied()
-        if after_copy is not None:
-            after_copy()
-        self.graphs[size].replay()
-        if follow and self.follower is not None:
-            self.follow_graphs[size].replay()
 
 
-def _capture(record: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object, object]:
+def capture_graph(record: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object, object]:
     """A graph of record() after one eager warm-up run (compiles kernels, settles the
     allocator), in `pool` (None: a new one); with its pool and what record() returned."""
     record()
