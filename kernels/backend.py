@@ -50,8 +50,9 @@ def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],
 
 class TritonAttention:
     """When every sequence has exactly one new token, the decode kernel, which also stores the
-    new K/V; otherwise store_kv, then the varlen prefill kernel. Grids come from the host ints
-    in AttentionMetadata, so a forward never syncs with the device."""
+    new K/V; otherwise store_kv, then the decode kernel over each token of a short step
+    (AttentionMetadata.per_token_tables), else the varlen prefill kernel. Grids come from the
+    host ints in AttentionMetadata, so a forward never syncs with the device."""
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -62,5 +63,9 @@ class TritonAttention:
                                           scale, max_seq_len=meta.max_seq_len,
                                           new_kv=(k, v, meta.slot_mapping))
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.per_token_tables is not None:  # a short step: each token a decode row
+            return paged_attention_decode(q, k_cache, v_cache, meta.per_token_tables,
+                                          meta.per_token_lens, scale,
+                                          max_seq_len=meta.max_seq_len)
         return paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, scale)

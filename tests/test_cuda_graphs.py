@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence
+from engine.worker.attention import SHORT_STEP_TOKENS
 from engine.worker.cuda_graphs import (DecodeGraphs, DecodeStager, MixedGraphs, MixedStager,
                                        capture_sizes, decode_meta_layout, mixed_capture_sizes,
                                        mixed_meta_layout)
@@ -77,6 +78,21 @@ class _EagerReplay:
         self.replay = record
 
 
+class _EagerChain:
+    """Stands in for a draft chain's graphs of one size: each iteration hands the next its
+    plan and tokens, as the captured graphs read those of the graphs before them."""
+
+    def __init__(self, chain: DraftChainGraphs, size: int):
+        self.chain, self.size = chain, size
+        self.iterations = [_EagerReplay(partial(self.run, i)) for i in range(chain.iterations)]
+
+    def run(self, i: int) -> None:
+        if i == 0:
+            self.plan, self.tokens = self.chain.first_iteration(self.size)
+        else:
+            self.tokens = self.chain.iteration(self.size, i, self.plan, self.tokens)
+
+
 def _refresh_outputs(graphs, size: int) -> None:
     graphs.outputs[size] = graphs.forward(size)
 
@@ -86,8 +102,7 @@ def replay_eagerly(graphs) -> None:
     chain a replay per iteration, any other set one per size (and the follower's)."""
     for size in graphs.sizes:
         if isinstance(graphs, DraftChainGraphs):
-            graphs.graphs[size] = [_EagerReplay(partial(graphs.record_iteration, size, i))
-                                   for i in range(graphs.iterations)]
+            graphs.graphs[size] = _EagerChain(graphs, size).iterations
             continue
         graphs.graphs[size] = _EagerReplay(partial(_refresh_outputs, graphs, size))
         if graphs.follower is not None:
@@ -98,6 +113,8 @@ def test_mixed_capture_sizes():
     assert mixed_capture_sizes(4096) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     assert mixed_capture_sizes(100) == [16, 32, 64, 100]
     assert mixed_capture_sizes(7) == [16]
+    # the smallest graph attends per token exactly when an eager step would
+    assert mixed_capture_sizes(7)[0] == SHORT_STEP_TOKENS
 
 
 GREEDY = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]

@@ -93,7 +93,8 @@ def chain_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
 
 class DraftChainGraphs(OneTokenGraphs):
     """greedy_chain's iterations (up to `iterations`), a graph each per padded batch size:
-    graphs[size][i] records `record_iteration(size, i)`. The drafts land in `drafts`."""
+    graphs[size][0] records first_iteration(size), graphs[size][i] iteration(size, i, ...)
+    over the plan and tokens that the graphs before it left. The drafts land in `drafts`."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
@@ -104,31 +105,33 @@ class DraftChainGraphs(OneTokenGraphs):
         self.iterations, self.block_size = iterations, block_size
         self.drafts = torch.full((self.max_batch, iterations), NO_TOKEN, dtype=torch.int64,
                                  device=device)
-        # per size, what the iterations so far left for the next: its plan, its last tokens
-        self._plans: dict[int, ChainPlan] = {}
-        self._tokens: dict[int, torch.Tensor] = {}
 
-    def record_iteration(self, size: int, i: int) -> None:
-        """Iteration i over the first `size` rows; the first one plans them all."""
-        if i == 0:
-            input_ids, positions = self._inputs(size)
-            self._plans[size] = ChainPlan.of(positions, self.meta.block_tables[:size],
-                                             self.meta.draft_counts[:size], self.iterations,
-                                             self.block_size)
-        else:
-            input_ids = self._tokens[size]
-        plan = self._plans[size]
+    def first_iteration(self, size: int) -> tuple[ChainPlan, torch.Tensor]:
+        """Plan every iteration of the first `size` rows, run the first: the plan and its
+        tokens."""
+        input_ids, positions = self._inputs(size)
+        plan = ChainPlan.of(positions, self.meta.block_tables[:size],
+                            self.meta.draft_counts[:size], self.iterations, self.block_size)
+        return plan, self.iteration(size, 0, plan, input_ids)
+
+    def iteration(self, size: int, i: int, plan: ChainPlan,
+                  input_ids: torch.Tensor) -> torch.Tensor:
+        """Iteration i over the first `size` rows: its tokens, and its drafts written."""
         tokens = plan.iteration(self.model, self.kv_caches, input_ids, self.attention_meta(size),
                                 i, lambda hidden: self._logits_and_draws(hidden)[1])
         self.drafts[:size, i] = plan.drafts(tokens, i)
-        self._tokens[size] = tokens
+        return tokens
 
     @torch.inference_mode()
     def capture(self, pool=None):
+        """Each graph reads the outputs of the captured graphs before it (never those of a
+        warm-up run)."""
         for size in reversed(self.sizes):
-            self.graphs[size] = []
-            for i in range(self.iterations):
-                graph, pool, _ = capture_graph(lambda: self.record_iteration(size, i), pool)
+            first, pool, (plan, tokens) = capture_graph(lambda: self.first_iteration(size), pool)
+            self.graphs[size] = [first]
+            for i in range(1, self.iterations):
+                graph, pool, tokens = capture_graph(
+                    lambda: self.iteration(size, i, plan, tokens), pool)
                 self.graphs[size].append(graph)
         torch.cuda.synchronize()
         return pool
