@@ -18,6 +18,11 @@ from kernels.sampling import row_sample
 from kernels.skinny_gemm import TILE_CANDIDATES, TileConfig
 from kernels.store_kv import store_kv
 
+# context positions per split of a short step's per-token decode: its rows are mostly
+# padding in a graph, whose max_seq_len is the model's context, so the rows' count cannot
+# size the split grid; 4 tiles of DECODE_BLOCK_N a split
+SHORT_STEP_SPLIT_LEN = 128
+
 log = logging.getLogger(__name__)
 
 
@@ -66,6 +71,7 @@ class TritonAttention:
         if meta.per_token_tables is not None:  # a short step: each token a decode row
             return paged_attention_decode(q, k_cache, v_cache, meta.per_token_tables,
                                           meta.per_token_lens, scale,
-                                          max_seq_len=meta.max_seq_len)
+                                          max_seq_len=meta.max_seq_len,
+                                          split_len=SHORT_STEP_SPLIT_LEN)
         return paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, scale)
