@@ -18,11 +18,6 @@ from kernels.sampling import row_sample
 from kernels.skinny_gemm import TILE_CANDIDATES, TileConfig
 from kernels.store_kv import store_kv
 
-# context positions per split of a short step's per-token decode: its rows are mostly
-# padding in a graph, whose max_seq_len is the model's context, so the rows' count cannot
-# size the split grid; 4 tiles of DECODE_BLOCK_N a split
-SHORT_STEP_SPLIT_LEN = 128
-
 log = logging.getLogger(__name__)
 
 
@@ -55,9 +50,8 @@ def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],
 
 class TritonAttention:
     """When every sequence has exactly one new token, the decode kernel, which also stores the
-    new K/V; otherwise store_kv, then the decode kernel over each token of a short step
-    (AttentionMetadata.per_token_tables), else the varlen prefill kernel. Grids come from the
-    host ints in AttentionMetadata, so a forward never syncs with the device."""
+    new K/V; otherwise store_kv, then the varlen prefill kernel. Grids come from the host ints
+    in AttentionMetadata, so a forward never syncs with the device."""
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,10 +62,5 @@ class TritonAttention:
                                           scale, max_seq_len=meta.max_seq_len,
                                           new_kv=(k, v, meta.slot_mapping))
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.per_token_tables is not None:  # a short step: each token a decode row
-            return paged_attention_decode(q, k_cache, v_cache, meta.per_token_tables,
-                                          meta.per_token_lens, scale,
-                                          max_seq_len=meta.max_seq_len,
-                                          split_len=SHORT_STEP_SPLIT_LEN)
         return paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, meta.max_query_len, scale)

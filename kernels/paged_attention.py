@@ -181,15 +181,13 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None,
                            max_seq_len: int | None = None,
-                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                           split_len: int | None = None) -> torch.Tensor:
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
     """q: [B, H, D], one query token per sequence, attending to its seq_lens[b] cached tokens.
     Without new_kv the token's own K/V must already be stored; with new_kv = (k [B, H, D],
     v [B, H, D], slot_mapping [B]) the kernel stores them itself (slot -1: not stored) and
     reads them from registers, saving the separate store_kv launch. max_seq_len (a host int)
-    sizes the split grid; without it the block-table width bounds it (no device sync).
-    split_len: context positions per split, where the rows' count says little of the work
-    (a short step's tokens, padding most of them); by default num_kv_splits."""
+    sizes the split grid; without it the block-table width bounds it (no device sync)."""
     num_seqs, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     block_size = k_cache.shape[1]
@@ -199,8 +197,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
-    splits = (num_kv_splits(num_seqs, num_heads, max_seq_len, num_sms(q.device))
-              if split_len is None else triton.cdiv(max_seq_len, split_len))
+    splits = num_kv_splits(num_seqs, num_heads, max_seq_len, num_sms(q.device))
     tiles_per_split = triton.cdiv(triton.cdiv(max_seq_len, DECODE_BLOCK_N), splits)
     tokens_per_split = tiles_per_split * DECODE_BLOCK_N
     part_out = part_lse = counters = out  # placeholders, unused when splits == 1

@@ -13,20 +13,10 @@ A batch is laid out varlen: the new tokens of all sequences are concatenated.
 Each new token attends causally to its sequence's cached tokens and to the new tokens up to and
 including itself. A backend first writes the new K and V into the cache at `slot_mapping`
 (slot -1 is padding and is never written), then attends.
-
-A short step (at most SHORT_STEP_TOKENS tokens, e.g. a verification of k + 1 drafts) may also
-carry each token as a decode row of its own: its sequence's block table and a length that
-ends at the token (`per_token_rows`). Once the step's K/V are stored, every token's attention
-is a decode over those, which the Triton backend runs split over the context, where the
-prefill kernel would give each (query tile, head) one program walking the whole context.
-
-    tokens      a5 a6 a7 b12               (A: 3 new at 5..7; B: 1 new at 12)
-    tables      A  A  A  B                 per_token_tables: the sequence's row per token
-    lengths     6  7  8  13                per_token_lens: position + 1
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -43,9 +33,6 @@ class AttentionMetadata:
     # host copies (lists) of query_start_loc and seq_lens, for backends that loop on the host
     query_start_loc_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
-    # a short step's tokens as decode rows (see the module docstring), or None
-    per_token_tables: torch.Tensor | None = None  # [num_tokens, max_blocks_per_seq] int32
-    per_token_lens: torch.Tensor | None = None  # [num_tokens] int32
 
     @property
     def num_seqs(self) -> int:
@@ -54,20 +41,6 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
-
-
-SHORT_STEP_TOKENS = 16  # the smallest mixed-step graph: graph and eager steps choose alike
-
-
-def per_token_rows(meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
-    """`meta` with its tokens as decode rows too; `positions`: each token's. Computed on the
-    device (inside a graph too); a token past the last sequence's (padding) takes the last
-    sequence row's table."""
-    tokens = torch.arange(len(positions), dtype=torch.int32, device=positions.device)
-    seq_of_token = torch.searchsorted(meta.query_start_loc[1:], tokens, right=True)
-    seq_of_token = seq_of_token.clamp_(max=meta.num_seqs - 1)
-    return replace(meta, per_token_tables=meta.block_tables.index_select(0, seq_of_token),
-                   per_token_lens=(positions + 1).int())
 
 
 class AttentionBackend(Protocol):

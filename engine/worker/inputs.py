@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.worker.attention import SHORT_STEP_TOKENS, AttentionMetadata, per_token_rows
+from engine.worker.attention import AttentionMetadata
 from engine.core.batch import ScheduledSequence
 
 
@@ -132,10 +132,8 @@ def to_device(host: HostInputs, device: torch.device) -> StepInputs:
         query_start_loc=on_device(host.query_start_loc, torch.int32),
         max_query_len=host.max_query_len, max_seq_len=int(host.seq_lens.max()),
         query_start_loc_host=host.query_start_loc.tolist(), seq_lens_host=host.seq_lens.tolist())
-    positions = on_device(host.positions, torch.int64)
-    if host.max_query_len > 1 and len(host.token_ids) <= SHORT_STEP_TOKENS:
-        meta = per_token_rows(meta, positions)
-    return StepInputs(on_device(host.token_ids, torch.int64), positions, meta,
+    return StepInputs(on_device(host.token_ids, torch.int64),
+                      on_device(host.positions, torch.int64), meta,
                       on_device(host.sample_indices, torch.int64))
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.worker.attention import SHORT_STEP_TOKENS, AttentionMetadata, per_token_rows
+from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout, stage_draw_inputs
 from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, mixed_capture_sizes
 from engine.worker.inputs import HostInputs
@@ -68,15 +68,11 @@ class MixedGraphs(GraphSet):
                 and len(host.sample_indices) <= self.max_sample_rows)
 
     def attention_meta(self, size: int) -> AttentionMetadata:
-        """The graphs of at most SHORT_STEP_TOKENS tokens attend per token (as eager steps of
-        as many do)."""
         rows, m = self.rows(size), self.meta
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=self.tokens.slot_mapping[:size], block_tables=m.block_tables[:rows],
             seq_lens=m.seq_lens[:rows], query_start_loc=m.query_start_loc[:rows + 1],
             max_query_len=size, max_seq_len=self.max_model_len)
-        return per_token_rows(meta, self.tokens.positions[:size]) if (
-            size <= SHORT_STEP_TOKENS) else meta
 
     def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         sampled = self.meta.sample_rows[:self.sample_rows(size)]
