@@ -62,6 +62,13 @@ PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
+# q tiles of at most 16 queries (a speculative verification): a handful of programs walk the
+# context serially, so wider key tiles and a deeper pipeline win (scripts/
+# sweep_verify_attention.py, docs/kernels.md row 22: 11.9 -> 10.0 us at context 320, 28.8 ->
+# 19.4 us at 1000, gpt2-xl's 25 heads)
+SHORT_Q_TILE = 16
+SHORT_Q_BLOCK_N = 128
+SHORT_Q_NUM_STAGES = 3
 
 
 @triton.jit
@@ -315,6 +322,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     # short queries (speculative verification) get a small tile; tl.dot needs M >= 16
     block_m = min(PREFILL_BLOCK_M, max(16, triton.next_power_of_2(max_query_len)))
+    block_n, stages = ((SHORT_Q_BLOCK_N, SHORT_Q_NUM_STAGES) if block_m <= SHORT_Q_TILE
+                       else (PREFILL_BLOCK_N, PREFILL_NUM_STAGES))
     # each sequence wastes at most one partly filled tile; the tile search's width is at
     # least 16, so batches of up to 16 sequences share one compiled variant
     grid = (triton.cdiv(q.shape[0], block_m) + num_seqs, q.shape[1])
@@ -323,8 +332,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
-        BLOCK_N=PREFILL_BLOCK_N, SEQS_POW2=max(16, triton.next_power_of_2(num_seqs)),
-        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, **pdl_options(q.device))
+        BLOCK_N=block_n, SEQS_POW2=max(16, triton.next_power_of_2(num_seqs)),
+        num_warps=PREFILL_NUM_WARPS, num_stages=stages, **pdl_options(q.device))
     return out
 
 
