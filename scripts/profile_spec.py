@@ -1,5 +1,5 @@
 """Where a speculative step's time goes with a draft model: the host phases of
-EngineCore.step (schedule, the draft's fill and its catch-up launches, the target's launch,
+EngineCore.step (schedule, the draft's fill, the target's launch,
 the waits, update) against the device's busy and idle time, from a torch.profiler trace of
 one stream decoding with every step drafting k (the oracle sets acceptance, as in
 bench_spec.py --draft-model).
@@ -10,8 +10,8 @@ Prints a timeline of a few steps (host phases, and the device's busy segments: k
 closer than 5 us merged) and writes profile_spec.json: per step, the wall time, the device's
 busy time, and each host phase's time (inflated by the profiler's own host cost, so a second
 run times the phases with perf_counter alone: "host_phases_ms"); and "graphs": each CUDA
-graph a speculative step replays (the draft's first iteration and one after it, its decode
-graph, which a catch-up replays, the target's verification graph, the draft's follow pass
+graph a speculative step replays (the draft's first iteration and one after it, its
+catch-up, the target's verification graph, the draft's follow pass
 over the same tokens, which a step of verification rows only skips) and the target's plain
 decode graph, replayed alone under the profiler: its kernels in order with their device
 time.
@@ -85,7 +85,6 @@ def install_ranges(bench: Bench) -> None:
     drafter = core.runner.drafter
     annotate(core.scheduler, "schedule", "schedule")
     annotate(core.scheduler, "update", "update")
-    annotate(drafter.runner, "launch_on", "draft catch-up")
     annotate(drafter, "fill", "fill")
     annotate_waits(core.runner, "target wait")
     annotate(core.runner, "launch", "target launch")
@@ -172,7 +171,7 @@ def profile_graphs(plain: Bench, bench: Bench, k: int) -> dict:
             f"target_verify_{verify_size}": graph_kernels(target.mixed_graphs.graphs[verify_size]),
             f"draft_follow_{verify_size}":
                 graph_kernels(target.mixed_graphs.follow_graphs[verify_size]),
-            "draft_decode_1": graph_kernels(drafter.runner.decode_graphs.graphs[1]),
+            "draft_catch_up_1": graph_kernels(drafter.chain.catch_up_graphs[1]),
             "draft_chain_1_first": graph_kernels(drafter.chain.graphs[1][0]),
             "draft_chain_1_next": graph_kernels(drafter.chain.graphs[1][1])}
 

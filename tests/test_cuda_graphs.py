@@ -102,6 +102,7 @@ def replay_eagerly(graphs) -> None:
     for size in graphs.sizes:
         if isinstance(graphs, DraftChainGraphs):
             graphs.graphs[size] = _EagerChain(graphs, size).iterations
+            graphs.catch_up_graphs[size] = _EagerReplay(partial(graphs.catch_up, size))
             continue
         graphs.graphs[size] = _EagerReplay(partial(_refresh_outputs, graphs, size))
         if graphs.follower is not None:

@@ -1,6 +1,7 @@
 """The draft's chained greedy iterations (engine/worker/cuda_graphs/draft_chain.py) on CPU:
 each row drafts the model's own greedy continuation, as many tokens as its count, writes KV at
-those positions only, and reads NO_TOKEN after; the chain graphs' staging gives the same."""
+those positions only, and reads NO_TOKEN after; the chain graphs' staging gives the same, and
+their catch-up writes the KV of the last run's last draft."""
 import torch
 
 from engine.core.batch import ScheduledSequence
@@ -65,6 +66,30 @@ def test_chain_graph_staging_gives_the_eager_chain(tiny_checkpoint, monkeypatch)
                              runner.block_size, 1024, runner.device, 4)
     replay_eagerly(chain)
     with torch.inference_mode():
-        drafts = chain.run(rows_at_position_zero(runner.block_size), COUNTS)
+        drafts = chain.run(rows_at_position_zero(runner.block_size), COUNTS, [None] * 3)
     assert drafts.shape == (3, 3)
     check_drafts_and_kv(tiny_checkpoint, drafts, runner)
+
+
+def test_a_catch_up_writes_the_kv_of_the_last_runs_last_draft(tiny_checkpoint, monkeypatch):
+    """After a run in which row 0 drafted 3 (KV at positions 0-2), its catch-up feeds its
+    third draft at position 3: the KV there is what a 4-iteration chain writes for it."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
+    reference = make_llm(tiny_checkpoint, block_size=8).engine.runner
+    rows = rows_at_position_zero(reference.block_size)
+    step = to_device(prepare_host_inputs(rows, 8, reference.max_blocks_per_seq),
+                     reference.device)
+    runner = make_llm(tiny_checkpoint, block_size=8).engine.runner
+    chain = DraftChainGraphs(runner.model, runner.kv_caches, 4, runner.max_blocks_per_seq, 8,
+                             1024, runner.device, 3)
+    replay_eagerly(chain)
+    with torch.inference_mode():
+        greedy_chain(reference.model, reference.kv_caches, step.input_ids, step.positions,
+                     step.meta, torch.tensor([4, 0, 0], dtype=torch.int32), 4,
+                     lambda hidden: reference.model.lm_head(hidden).argmax(dim=-1))
+        chain.run(rows, COUNTS, [None] * 3)
+        (k_cache, v_cache), (k_ref, v_ref) = runner.kv_caches[-1], reference.kv_caches[-1]
+        assert k_cache[0, 3].abs().sum() == 0  # block 0 is row 0's: position 3 not yet
+        chain.run(rows, [1, 0, 0], [(3, 0, 2), None, None])
+    for cache, ref in ((k_cache, k_ref), (v_cache, v_ref)):
+        torch.testing.assert_close(cache[0, 3], ref[0, 3], atol=1e-5, rtol=1e-5)

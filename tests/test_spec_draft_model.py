@@ -12,8 +12,10 @@ import pytest
 
 from engine import SamplingParams
 from engine.core.config import ConfigError
+from engine.worker.cuda_graphs.draft_chain import DraftChainGraphs
 from server_harness import ServerProcess, metric
 from test_cli import serve
+from test_cuda_graphs import replay_eagerly
 from test_spec_engine import (EACH_SETTING, GREEDY, K, assert_all_blocks_free, make_llm,
                               mixed_params, plain_greedy, prompts, seeded)
 
@@ -179,17 +181,25 @@ def test_the_target_reads_the_drafts_from_the_device(tiny_checkpoint):
         assert input_ids[-seq.num_drafts:] == row[:seq.num_drafts]
 
 
-def test_the_draft_has_kv_wherever_the_target_has(tiny_checkpoint):
+@pytest.mark.parametrize("chain_graphs", [False, True], ids=["eager", "chain-graphs"])
+def test_the_draft_has_kv_wherever_the_target_has(tiny_checkpoint, monkeypatch, chain_graphs):
     """Steps whose every sequence verifies drafts skip the draft's follow pass; the next fill
-    feeds a request that accepted every draft its last one. Drafting with the target's own
-    weights, the draft's KV equals the target's at every position the request computed."""
+    feeds a request that accepted every draft its last one (eagerly, or by the chain graphs'
+    catch-up, replayed eagerly on CPU). Drafting with the target's own weights, the draft's
+    KV equals the target's at every position the request computed."""
     engine = make_llm(tiny_checkpoint, speculative_config=draft_config(tiny_checkpoint)).engine
-    runner, draft_runner = engine.runner, engine.runner.drafter.runner
+    runner, drafter = engine.runner, engine.runner.drafter
+    draft_runner = drafter.runner
+    if chain_graphs:
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
+        drafter.chain = DraftChainGraphs(
+            draft_runner.model, draft_runner.kv_caches, 4, draft_runner.max_blocks_per_seq,
+            draft_runner.block_size, 1024, draft_runner.device, K)
+        replay_eagerly(drafter.chain)
     catch_ups = []
-    launch_on = draft_runner.launch_on
-    draft_runner.launch_on = lambda out, *a, **kw: (
-        catch_ups.append(out) if kw.get("placeholder_tokens") is not None else None,
-        launch_on(out, *a, **kw))[1]
+    find_catch_ups = drafter._catch_ups
+    drafter._catch_ups = lambda seqs: catch_ups.extend(
+        c for c in find_catch_ups(seqs) if c) or find_catch_ups(seqs)
     engine.add_request("a", list(range(10)), SamplingParams(temperature=0.0, max_tokens=60,
                                                            ignore_eos=True))
     for _ in range(12):

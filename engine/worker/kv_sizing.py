@@ -118,9 +118,10 @@ class KVSizing:
 
 def draft_reserved_bytes(draft: GPT2Config, dtype: torch.dtype, max_num_seqs: int) -> int:
     """CUDA memory the draft model takes beside its KV pool, set aside when the target sizes
-    the pools (the draft loads after): its weights, its decode graphs' logits rows, a
+    the pools (the draft loads after): its weights, its chain graphs' working memory (the
+    logits of one iteration at the largest batch: no graph keeps logits between replays), a
     margin."""
-    logits = sum(capture_sizes(max_num_seqs)) * draft.padded_vocab_size * dtype.itemsize
+    logits = max_num_seqs * draft.padded_vocab_size * dtype.itemsize
     return draft.num_parameters * dtype.itemsize + logits + GRAPH_MARGIN
 
 

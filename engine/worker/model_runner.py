@@ -33,7 +33,10 @@ from engine.worker.startup import StartupCache, StartupPhases, default_cache_dir
 log = logging.getLogger(__name__)
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, step_graphs: bool = True):
+        """step_graphs False: no CUDA graphs of its own steps, where it would capture them
+        (the draft model's runner: the drafter captures its iterations, the target's graphs
+        its follow pass)."""
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
@@ -63,7 +66,6 @@ class ModelRunner:
         # captured once the KV cache exists
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        self.graph_pool = None  # their memory pool, which later graph sets share
         # the last launched step's sampled tokens, which the next step's placeholders name
         self._last_step: LaunchedStep | None = None
         # the draft model's runner (draft_model method), its pool as large as this one's:
@@ -82,14 +84,14 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv_cache(self.num_kv_blocks)
         self.startup.add("KV sizing", time.perf_counter() - start, sizing)
         if draft is not None:
-            self.drafter = Drafter(ModelRunner(draft_runner_config(config, self.num_kv_blocks)),
-                                   self.max_drafts)
+            self.drafter = Drafter(ModelRunner(draft_runner_config(config, self.num_kv_blocks),
+                                               step_graphs=False), self.max_drafts)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB); %.1f requests fit at the full "
                  "%d-token context; sized in %.1f s", self.num_kv_blocks, self.block_size,
                  self.num_kv_blocks * self.kv_block_bytes / 2**30,
                  self.num_kv_blocks / self.max_blocks_per_seq, config.scheduler.max_model_len,
                  time.perf_counter() - start)
-        if self.uses_graphs:
+        if self.uses_graphs and step_graphs:
             self._capture_graphs()
 
     @property
@@ -102,18 +104,18 @@ class ModelRunner:
     def _capture_graphs(self) -> None:
         """Mixed-step graphs (the larger) first, then decode graphs, in one memory pool;
         with a draft model, each graph runs its forward over the step's inputs too."""
-        sched, start = self.config.scheduler, time.perf_counter()
+        sched, start, pool = self.config.scheduler, time.perf_counter(), None
         follower = None if self.drafter is None else self.drafter.follow
         if self.config.model.mixed_step_graphs:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches,
                                             sched.max_num_batched_tokens, sched.max_num_seqs,
                                             self.max_blocks_per_seq, sched.max_model_len,
                                             self.device, self.max_sample_rows, follower)
-            self.graph_pool = self.mixed_graphs.capture()
+            pool = self.mixed_graphs.capture()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
                                    self.max_blocks_per_seq, self.block_size,
                                    sched.max_model_len, self.device, follower)
-        self.graph_pool = self.decode_graphs.capture(self.graph_pool)
+        self.decode_graphs.capture(pool)
         self.startup.add("graphs", time.perf_counter() - start)
         log.info("captured CUDA graphs in %.1f s: decode for batch sizes %s; mixed steps for "
                  "token counts %s", time.perf_counter() - start, self.decode_graphs.sizes,
@@ -157,13 +159,9 @@ class ModelRunner:
         return self.launch_on(out, self.kv_caches)
 
     @torch.inference_mode()
-    def launch_on(self, out: SchedulerOutput, kv_caches: list[KVCache],
-                  copy_to_host: bool = True, placeholder_tokens: torch.Tensor | None = None
-                  ) -> PendingStep:
-        """launch() into the given caches (KV sizing's worst-case step runs on a scratch one);
-        copy_to_host False: the tokens stay on the device until wait() (the draft's, which
-        only the device reads); `placeholder_tokens`: the device tokens placeholders read,
-        in place of the last launch's."""
+    def launch_on(self, out: SchedulerOutput, kv_caches: list[KVCache]) -> PendingStep:
+        """launch() into the given caches (KV sizing's worst-case step runs on a scratch
+        one)."""
         to_sample = [s for s in out.sequences if s.sample]
         # the draft's follow pass is left out when every sequence verifies drafts
         follow = self.drafter is None or not all(s.num_drafts for s in out.sequences)
@@ -171,16 +169,14 @@ class ModelRunner:
         rows = position_rows(to_sample) if drafts is not None else to_sample
         draw_inputs = self.sampler.draw_inputs(rows)
         logits, drawn = self._forward(out, draw_inputs, kv_caches,
-                                      drafts if self.drafter is not None else None, follow,
-                                      placeholder_tokens)
+                                      drafts if self.drafter is not None else None, follow)
         if not to_sample:  # prompt chunks only: nothing to sample
             self._last_step = LaunchedStep(out.step_id, None)
             return PendingStep([], None)
         sampled = self.sampler(logits, rows, draw_inputs, drawn)
         if drafts is not None:
             sampled = verify_drafts(sampled, to_sample, drafts)
-        if copy_to_host:
-            sampled.begin_host_copy()
+        sampled.begin_host_copy()
         self._last_step = LaunchedStep(out.step_id, sampled.token_ids)
         return PendingStep([s.request_id for s in to_sample], sampled)
 
@@ -204,8 +200,7 @@ class ModelRunner:
             return self._forward(out, draw_inputs, self.kv_caches)[0].float()
 
     def _forward(self, out: SchedulerOutput, draw_inputs: DrawInputs, kv_caches: list[KVCache],
-                 device_drafts: torch.Tensor | None = None, follow: bool = True,
-                 placeholder_tokens: torch.Tensor | None = None
+                 device_drafts: torch.Tensor | None = None, follow: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the sampling rows in the model's dtype (`draw_inputs` are theirs), plus
         each one's draw when a graph made it; `device_drafts` (the draft model's) fill the
@@ -216,8 +211,7 @@ class ModelRunner:
                                device=self.device), None
         seqs = out.sequences
         sources = [s.prev_sample_row for s in seqs]
-        prev_tokens = (placeholder_tokens if placeholder_tokens is not None
-                       else self._prev_sampled(out, sources))
+        prev_tokens = self._prev_sampled(out, sources)
         if (self.decode_graphs is not None and len(seqs) <= self.decode_graphs.max_batch
                 and is_decode_step(seqs)):
             return self.decode_graphs.run(seqs, sources, prev_tokens, draw_inputs)

@@ -51,10 +51,9 @@ class ChainPlan:
         counts = draft_counts.long()[None, :]
         first = positions[None, :]
         at = torch.minimum(first + steps, first + (counts - 1).clamp(min=0))
-        blocks = block_tables.gather(1, (at // block_size).t()).t().contiguous()
         drafted = steps < counts
-        slots = torch.where(drafted, blocks * block_size + at % block_size, -1)
-        return ChainPlan(at, slots, (at + 1).int(), drafted)
+        slots = slots_at(block_tables, at.t(), block_size).t().contiguous()
+        return ChainPlan(at, torch.where(drafted, slots, -1), (at + 1).int(), drafted)
 
     def iteration(self, model: torch.nn.Module, kv_caches: list, input_ids: torch.Tensor,
                   meta: AttentionMetadata, i: int, draw: Draw) -> torch.Tensor:
@@ -67,6 +66,13 @@ class ChainPlan:
     def drafts(self, tokens: torch.Tensor, i: int) -> torch.Tensor:
         """Iteration i's tokens as drafts: NO_TOKEN for rows drafting fewer."""
         return tokens.masked_fill(~self.drafted[i], NO_TOKEN)
+
+
+def slots_at(block_tables: torch.Tensor, positions: torch.Tensor,
+             block_size: int) -> torch.Tensor:
+    """The cache slots of `positions` [rows, n] in each row's block table."""
+    blocks = block_tables.gather(1, positions // block_size)
+    return blocks * block_size + positions % block_size
 
 
 def greedy_chain(model: torch.nn.Module, kv_caches: list, input_ids: torch.Tensor,
@@ -86,15 +92,24 @@ def greedy_chain(model: torch.nn.Module, kv_caches: list, input_ids: torch.Tenso
 
 
 def chain_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
-    """The decode layout (what DecodeStager writes) and each row's draft count."""
+    """The decode layout (what DecodeStager writes), each row's draft count, and its
+    catch-up: the position of its last draft in the last run (-1: none) and that draft's
+    index in the flattened `drafts`."""
     return BufferLayout(seq_lens=max_batch, draft_counts=max_batch,
+                        catch_up_positions=max_batch, catch_up_sources=max_batch,
                         block_tables=(max_batch, max_blocks_per_seq))
+
+
+# a row's catch-up, or None: its last draft's position in the last run, then that run's row
+# and column of it (engine/worker/drafter.py)
+CatchUp = tuple[int, int, int]
 
 
 class DraftChainGraphs(OneTokenGraphs):
     """greedy_chain's iterations (up to `iterations`), a graph each per padded batch size:
     graphs[size][0] records first_iteration(size), graphs[size][i] iteration(size, i, ...)
-    over the plan and tokens that the graphs before it left. The drafts land in `drafts`."""
+    over the plan and tokens that the graphs before it left. The drafts land in `drafts`.
+    Before them, when some row has one, catch_up_graphs[size] records catch_up(size)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
@@ -105,6 +120,20 @@ class DraftChainGraphs(OneTokenGraphs):
         self.iterations, self.block_size = iterations, block_size
         self.drafts = torch.full((self.max_batch, iterations), NO_TOKEN, dtype=torch.int64,
                                  device=device)
+        self.catch_up_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def catch_up(self, size: int) -> None:
+        """The draft's forward, for its KV only, over each catching-up row's last draft of
+        the last run (read from `drafts` before this run overwrites them) at its position;
+        the other rows write nothing."""
+        m, block_size = self.meta, self.block_size
+        positions = m.catch_up_positions[:size].long()
+        at = positions.clamp(min=0)
+        slots = slots_at(m.block_tables[:size], at[:, None], block_size).squeeze(1)
+        meta = replace(self.attention_meta(size), slot_mapping=torch.where(
+            positions >= 0, slots, -1), seq_lens=(at + 1).int())
+        input_ids = self.drafts.view(-1).index_select(0, m.catch_up_sources[:size])
+        self.model(input_ids, at, self.kv_caches, meta)
 
     def first_iteration(self, size: int) -> tuple[ChainPlan, torch.Tensor]:
         """Plan every iteration of the first `size` rows, run the first: the plan and its
@@ -127,6 +156,8 @@ class DraftChainGraphs(OneTokenGraphs):
         """Each graph reads the outputs of the captured graphs before it (never those of a
         warm-up run)."""
         for size in reversed(self.sizes):
+            self.catch_up_graphs[size], pool, _ = capture_graph(lambda: self.catch_up(size),
+                                                                pool)
             first, pool, (plan, tokens) = capture_graph(lambda: self.first_iteration(size), pool)
             self.graphs[size] = [first]
             for i in range(1, self.iterations):
@@ -136,23 +167,36 @@ class DraftChainGraphs(OneTokenGraphs):
         torch.cuda.synchronize()
         return pool
 
-    def run(self, rows: list[ScheduledSequence], draft_counts: list[int]) -> torch.Tensor:
-        """Replay the first max(draft_counts) iterations for these rows (each its last known
-        token at its position); returns their drafts [len(rows), max(draft_counts)], valid
-        until the next run."""
+    def run(self, rows: list[ScheduledSequence], draft_counts: list[int],
+            catch_ups: list[CatchUp | None]) -> torch.Tensor:
+        """Replay the catch-up when a row has one, then the first max(draft_counts)
+        iterations for these rows (each its last known token at its position); returns
+        their drafts [len(rows), max(draft_counts)], valid until the next run."""
         size, width = self.size_for(len(rows)), max(draft_counts)
-        self._copy_in(lambda stager: stager.write_chain(rows, draft_counts, size), None, size)
+        sources = [None if c is None else (c[0], c[1] * self.iterations + c[2])
+                   for c in catch_ups]
+        self._copy_in(lambda stager: stager.write_chain(rows, draft_counts, sources, size),
+                      None, size)
+        if any(c is not None for c in catch_ups):
+            self.catch_up_graphs[size].replay()
         for graph in self.graphs[size][:width]:
             graph.replay()
         return self.drafts[:len(rows), :width]
 
 
 class DraftChainStager(DecodeStager):
-    """A decode step of the rows, drawn greedily, and each row's draft count (0: padding)."""
+    """A decode step of the rows, drawn greedily, each row's draft count (0: padding) and
+    catch-up (position -1: none)."""
 
     def write_chain(self, rows: list[ScheduledSequence], draft_counts: list[int],
-                    size: int) -> None:
-        batch = len(rows)
+                    catch_ups: list[tuple[int, int] | None], size: int) -> None:
+        """catch_ups: per row, None or (position, index in the flattened drafts)."""
+        batch, m = len(rows), self.meta
         self.write(rows, size, [-1] * batch, (np.zeros(batch), np.zeros(batch, np.int64)))
-        self.meta.draft_counts[:batch] = draft_counts
-        self.meta.draft_counts[batch:size] = 0
+        m.draft_counts[:batch] = draft_counts
+        m.draft_counts[batch:size] = 0
+        m.catch_up_positions[:size] = -1
+        m.catch_up_sources[:size] = 0
+        for row, catch_up in enumerate(catch_ups):
+            if catch_up is not None:
+                m.catch_up_positions[row], m.catch_up_sources[row] = catch_up
