@@ -72,8 +72,9 @@ def test_chain_graph_staging_gives_the_eager_chain(tiny_checkpoint, monkeypatch)
 
 
 def test_a_catch_up_writes_the_kv_of_the_last_runs_last_draft(tiny_checkpoint, monkeypatch):
-    """After a run in which row 0 drafted 3 (KV at positions 0-2), its catch-up feeds its
-    third draft at position 3: the KV there is what a 4-iteration chain writes for it."""
+    """After a run in which row 1 drafted 3 (KV at positions 0-2), its catch-up feeds its
+    third draft at position 3: the KV there is what a 4-iteration chain writes for it. Rows
+    without a catch-up read the drafts' first entry, NO_TOKEN here (row 0 drafted none)."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
     reference = make_llm(tiny_checkpoint, block_size=8).engine.runner
     rows = rows_at_position_zero(reference.block_size)
@@ -85,11 +86,11 @@ def test_a_catch_up_writes_the_kv_of_the_last_runs_last_draft(tiny_checkpoint, m
     replay_eagerly(chain)
     with torch.inference_mode():
         greedy_chain(reference.model, reference.kv_caches, step.input_ids, step.positions,
-                     step.meta, torch.tensor([4, 0, 0], dtype=torch.int32), 4,
+                     step.meta, torch.tensor([0, 4, 0], dtype=torch.int32), 4,
                      lambda hidden: reference.model.lm_head(hidden).argmax(dim=-1))
-        chain.run(rows, COUNTS, [None] * 3)
+        assert chain.run(rows, [0, 3, 1], [None] * 3)[0, 0] == NO_TOKEN
         (k_cache, v_cache), (k_ref, v_ref) = runner.kv_caches[-1], reference.kv_caches[-1]
-        assert k_cache[0, 3].abs().sum() == 0  # block 0 is row 0's: position 3 not yet
-        chain.run(rows, [1, 0, 0], [(3, 0, 2), None, None])
+        assert k_cache[2, 3].abs().sum() == 0  # block 2 is row 1's: position 3 not yet
+        chain.run(rows, [1, 1, 0], [None, (3, 1, 2), None])
     for cache, ref in ((k_cache, k_ref), (v_cache, v_ref)):
-        torch.testing.assert_close(cache[0, 3], ref[0, 3], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache[2, 3], ref[2, 3], atol=1e-5, rtol=1e-5)

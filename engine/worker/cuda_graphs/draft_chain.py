@@ -132,7 +132,8 @@ class DraftChainGraphs(OneTokenGraphs):
         slots = slots_at(m.block_tables[:size], at[:, None], block_size).squeeze(1)
         meta = replace(self.attention_meta(size), slot_mapping=torch.where(
             positions >= 0, slots, -1), seq_lens=(at + 1).int())
-        input_ids = self.drafts.view(-1).index_select(0, m.catch_up_sources[:size])
+        # a row without a catch-up reads any entry, NO_TOKEN too: clamped to a token id
+        input_ids = self.drafts.view(-1).index_select(0, m.catch_up_sources[:size]).clamp_(0)
         self.model(input_ids, at, self.kv_caches, meta)
 
     def first_iteration(self, size: int) -> tuple[ChainPlan, torch.Tensor]:
