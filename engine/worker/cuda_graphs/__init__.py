@@ -7,6 +7,9 @@ Two sets share one memory pool, each beside the stager that writes its inputs:
 * `DecodeGraphs` (decode.py): one token per sequence, per padded batch size.
 * `MixedGraphs` (mixed.py): steps with prompt tokens, per padded token count.
 
+A third, `DraftChainGraphs` (draft_chain.py), holds the draft model's greedy iterations (a
+graph per iteration and padded batch size, staged once a step) in a pool of its own.
+
 Each set reads two packed device buffers with named layouts (buffers.py), copied from pinned
 memory (two copies per step):
 
