@@ -34,7 +34,7 @@ from engine.core.config import EngineConfig, check_draft_model
 from engine.core.request import SamplingParams
 from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.draft_chain import CatchUp, DraftChainGraphs, greedy_chain
-from engine.worker.inputs import prepare_host_inputs, to_device, upload
+from engine.worker.inputs import StepInputs, prepare_host_inputs, to_device, upload
 from engine.worker.models.gpt2 import GPT2Config, find_checkpoint
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,10 @@ class Drafter:
         catch-up are captured."""
         self.runner = runner
         self.chain = self._capture_chain(max_drafts) if runner.uses_graphs else None
-        # the last fill's drafts, and for a step run without the follow pass, each request's
-        # last draft: its position, row and column there (see _catch_ups)
-        self._last_drafts: torch.Tensor | None = None
+        # for a step run without the follow pass, each request's last draft: its position,
+        # row and column in the fill's drafts (see _catch_ups); without graphs, those drafts
         self._unfollowed: dict[str, CatchUp] = {}
+        self._last_drafts: torch.Tensor | None = None
 
     def _capture_chain(self, max_drafts: int) -> DraftChainGraphs:
         runner, sched, start = self.runner, self.runner.config.scheduler, time.perf_counter()
@@ -102,8 +102,7 @@ class Drafter:
             drafts = self.chain.run(rows, counts, catch_ups)
         else:
             self._eager_catch_up(rows, catch_ups)
-            drafts = self._eager_chain(rows, counts, width)
-        self._last_drafts = drafts
+            drafts = self._last_drafts = self._eager_chain(rows, counts, width)
         self._unfollowed = {s.request_id: (s.start_position + s.num_drafts, row,
                                            s.num_drafts - 1)
                             for row, s in enumerate(seqs) if s.num_drafts and skips_follow}
@@ -127,9 +126,8 @@ class Drafter:
         if not lagging:
             return
         runner = self.runner
-        steps = [replace(row, start_position=position) for row, (position, _, _) in lagging]
-        step = to_device(prepare_host_inputs(steps, runner.block_size,
-                                             runner.max_blocks_per_seq), runner.device)
+        step = self._inputs([replace(row, start_position=position)
+                             for row, (position, _, _) in lagging])
         last_rows, columns = (upload([c[i] for _, c in lagging], torch.int64, runner.device)
                               for i in (1, 2))
         runner.model(self._last_drafts[last_rows, columns], step.positions, runner.kv_caches,
@@ -139,8 +137,7 @@ class Drafter:
                      width: int) -> torch.Tensor:
         """greedy_chain without graphs (CPU, eager mode, the torch attention backend)."""
         runner, model = self.runner, self.runner.model
-        step = to_device(prepare_host_inputs(rows, runner.block_size, runner.max_blocks_per_seq),
-                         runner.device)
+        step = self._inputs(rows)
         greedy = torch.zeros(len(rows), device=runner.device)
 
         def draw(hidden: torch.Tensor) -> torch.Tensor:
@@ -148,6 +145,12 @@ class Drafter:
 
         return greedy_chain(model, runner.kv_caches, step.input_ids, step.positions, step.meta,
                             upload(counts, torch.int32, runner.device), width, draw)
+
+    def _inputs(self, rows: list[ScheduledSequence]) -> StepInputs:
+        """An eager decode step's inputs over `rows`."""
+        runner = self.runner
+        return to_device(prepare_host_inputs(rows, runner.block_size, runner.max_blocks_per_seq),
+                         runner.device)
 
 
 def _chain_row(seq: ScheduledSequence) -> ScheduledSequence:
