@@ -69,6 +69,10 @@ PREFILL_NUM_STAGES = 2
 SHORT_Q_TILE = 16
 SHORT_Q_BLOCK_N = 128
 SHORT_Q_NUM_STAGES = 3
+# a step of at most one short q tile of tokens (a one-stream verification) also splits its
+# keys, every SHORT_Q_SPLIT_LEN positions of the block tables' width, as decode does:
+# otherwise its few programs walk the whole context one after another
+SHORT_Q_SPLIT_LEN = 256
 
 
 @triton.jit
@@ -269,10 +273,12 @@ def _find_q_tile(tile, query_start_ptr, num_seqs, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_ptr, out_ptr, qk_scale, num_seqs,
+                    query_start_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, qk_scale,
+                    num_seqs, tokens_per_split,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_ch,
                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SEQS_POW2: tl.constexpr, USE_PDL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SEQS_POW2: tl.constexpr, SPLIT: tl.constexpr,
+                    MAX_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)  # before the early return: every program waits
     head = tl.program_id(1)
     seq, q_tile = _find_q_tile(tl.program_id(0), query_start_ptr, num_seqs, BLOCK_M, SEQS_POW2)
@@ -294,17 +300,58 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     q_pos = first_pos + tl.arange(0, BLOCK_M)
     unmasked_end = first_pos // BLOCK_N * BLOCK_N  # keys before it are visible to every query
+    lo = 0
     hi = tl.minimum(seq_len, first_pos + BLOCK_M)
+    if SPLIT:  # this program's keys: [lo, hi) of its split (tile-aligned)
+        lo = tl.program_id(2) * tokens_per_split
+        hi = tl.minimum(hi, lo + tokens_per_split)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
-                                  head_off, stride_slot, seq_len, 0, unmasked_end, qk_scale,
-                                  BLOCK_SIZE, HEAD_DIM, BLOCK_N, False)
+                                  head_off, stride_slot, seq_len, lo,
+                                  tl.minimum(unmasked_end, hi), qk_scale, BLOCK_SIZE, HEAD_DIM,
+                                  BLOCK_N, False)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
-                                  head_off, stride_slot, seq_len, unmasked_end, hi, qk_scale,
-                                  BLOCK_SIZE, HEAD_DIM, BLOCK_N, True)
-    # every query sees key 0, so l_i > 0 on every row (rows past q_len see all keys)
-    o = acc / l_i[:, None]
-    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+                                  head_off, stride_slot, seq_len, tl.maximum(lo, unmasked_end),
+                                  hi, qk_scale, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True)
+    real = offs_m < q_len
+    out_ptrs = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    if SPLIT:
+        _store_split_rows(acc, l_i, m_i, tokens, real, head, out_ptrs, part_out_ptr,
+                          part_lse_ptr, counter_ptr, HEAD_DIM, MAX_SPLITS)
+    else:
+        # every query sees key 0, so l_i > 0 on every row (rows past q_len see all keys)
+        o = acc / l_i[:, None]
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=real[:, None])
+
+
+@triton.jit
+def _store_split_rows(acc, l_i, m_i, tokens, real, head, out_ptrs, part_out_ptr, part_lse_ptr,
+                      counter_ptr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """A split's partial (o, log2-sum-exp) per query row; the last split of the (q tile,
+    head) to arrive merges every split's partials into the rows' output, as decode's do
+    (a row whose split holds none of its keys has weight 0)."""
+    split, num_splits = tl.program_id(2), tl.num_programs(2)
+    dims = tl.arange(0, HEAD_DIM)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    base = (tokens * tl.num_programs(1) + head) * num_splits  # [BLOCK_M] partials' rows
+    tl.store(part_out_ptr + (base + split)[:, None] * HEAD_DIM + dims[None, :],
+             acc / l_safe[:, None], mask=real[:, None])
+    tl.store(part_lse_ptr + base + split,
+             tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=real)
+    pair = tl.program_id(0) * tl.num_programs(1) + head
+    if arrive_last(counter_ptr + pair, num_splits):
+        splits = tl.arange(0, MAX_SPLITS)
+        held = real[:, None] & (splits < num_splits)[None, :]
+        lse = tl.load(part_lse_ptr + base[:, None] + splits[None, :], mask=held,
+                      other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse, axis=1)
+        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        o = tl.load(part_out_ptr + ((base[:, None] + splits[None, :]) * HEAD_DIM)[:, :, None]
+                    + dims[None, None, :], mask=held[:, :, None], other=0.0,
+                    cache_modifier=".cg")
+        total = tl.sum(w, axis=1)
+        o = tl.sum(w[:, :, None] * o, axis=1) / tl.where(total > 0, total, 1.0)[:, None]
+        reset_counter(counter_ptr + pair)
+        tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=real[:, None])
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -326,13 +373,23 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                        else (PREFILL_BLOCK_N, PREFILL_NUM_STAGES))
     # each sequence wastes at most one partly filled tile; the tile search's width is at
     # least 16, so batches of up to 16 sequences share one compiled variant
-    grid = (triton.cdiv(q.shape[0], block_m) + num_seqs, q.shape[1])
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E,
-        num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
+    tiles = triton.cdiv(q.shape[0], block_m) + num_seqs
+    splits = 1
+    if q.shape[0] <= SHORT_Q_TILE:
+        splits = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], SHORT_Q_SPLIT_LEN)
+    part_out = part_lse = counters = out  # placeholders, unused when splits == 1
+    if splits > 1:
+        part_out = torch.empty((*q.shape[:2], splits, q.shape[2]), dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty((*q.shape[:2], splits), dtype=torch.float32, device=q.device)
+        counters = counters_for(q.device, tiles * q.shape[1])
+    _prefill_kernel[(tiles, q.shape[1], splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
+        counters, scale * LOG2E, num_seqs, SHORT_Q_SPLIT_LEN, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1),
+        k_cache.stride(2), BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
         BLOCK_N=block_n, SEQS_POW2=max(16, triton.next_power_of_2(num_seqs)),
+        SPLIT=splits > 1, MAX_SPLITS=triton.next_power_of_2(splits),
         num_warps=PREFILL_NUM_WARPS, num_stages=stages, **pdl_options(q.device))
     return out
 

@@ -1,5 +1,5 @@
-"""The prefill attention kernel's tuning knobs on a speculative verification as the mixed-step
-graph of 16 tokens runs it: one sequence with k + 1 = 5 new tokens after its context, 11
+"""The prefill attention kernel's short-q-tile knobs (key tile, stages, split length) on a
+speculative verification as the mixed-step graph of 16 tokens runs it: one sequence with k + 1 = 5 new tokens after its context, 11
 padding token rows and 15 padding sequence rows (so the grid is the graph's), GPT-2-xl's 25
 heads and gpt2's 12; beside the decode kernel on one token of the same context (what a plain
 step's attention costs), split as a decode graph splits it (max_seq_len 1024).
@@ -17,22 +17,25 @@ import json
 from pathlib import Path
 
 import torch
-from bench_kernels import HEAD_DIM, paged_batch, time_ms
+from bench_kernels import BLOCK_SIZE, HEAD_DIM, paged_batch, time_ms
 
 from kernels import paged_attention as pa
 
 GRAPH_TOKENS, GRAPH_SEQS, QUERIES = 16, 16, 5
-KNOBS = {"PREFILL_BLOCK_N": (32, 64, 128), "PREFILL_NUM_STAGES": (1, 2, 3),
-         "PREFILL_NUM_WARPS": (2, 4)}
+# short q tiles' knobs (kernels/paged_attention.py); a split length of 1024, the graph's
+# context, is no split
+KNOBS = {"SHORT_Q_BLOCK_N": (64, 128), "SHORT_Q_NUM_STAGES": (2, 3),
+         "SHORT_Q_SPLIT_LEN": (128, 256, 512, 1024)}
 
 
 def verification_ms(context: int, heads: int) -> float:
-    """The prefill kernel over a graph-padded verification of one sequence."""
+    """The prefill kernel over a graph-padded verification of one sequence (block tables as
+    wide as the graph's 1024-token context)."""
     b = paged_batch([QUERIES], [context], heads)
     pad = GRAPH_SEQS - 1
     seq_lens = torch.cat([b["meta"].seq_lens, b["meta"].seq_lens.new_zeros(pad)])
-    tables = torch.cat([b["meta"].block_tables,
-                        b["meta"].block_tables.new_zeros(pad, b["meta"].block_tables.shape[1])])
+    tables = torch.zeros(GRAPH_SEQS, 1024 // BLOCK_SIZE, dtype=torch.int32, device="cuda")
+    tables[0, :b["meta"].block_tables.shape[1]] = b["meta"].block_tables[0]
     starts = torch.tensor([0] + [QUERIES] * GRAPH_SEQS, dtype=torch.int32, device="cuda")
     q = torch.randn(GRAPH_TOKENS, heads, HEAD_DIM, device="cuda", dtype=b["q"].dtype)
     return time_ms(lambda: pa.paged_attention_prefill(

@@ -107,3 +107,25 @@ def test_prefill_grid_from_shapes(cases):
     real = sum(q_lens)
     torch.testing.assert_close(out[:real], _reference(batch)[:real], **tol(torch.float32))
     assert torch.isnan(out[real:]).all()  # torch.empty is NaN-poisoned by conftest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("contexts", [[1000], [9], [300, 5, 129]], ids=["long", "one-split",
+                                                                        "three-rows"])
+def test_prefill_short_step_splits_its_keys(dtype, contexts):
+    """A step of at most one short q tile of tokens (a verification as the 16-token graph
+    pads it: sequences with no new tokens, padding token rows) splits its keys every
+    SHORT_Q_SPLIT_LEN positions of the block tables' width and merges the splits: the rows
+    are the reference's, whichever splits hold their keys, and padding stays unwritten."""
+    q_lens = [min(5, n) for n in contexts] + [0] * (pa.SHORT_Q_TILE - len(contexts))
+    seq_lens = contexts + [0] * (pa.SHORT_Q_TILE - len(contexts))
+    pad = pa.SHORT_Q_TILE - sum(q_lens)
+    batch = make_paged_batch(q_lens, seq_lens, 16, dtype, pad=pad)
+    meta = batch.meta
+    width = torch.zeros(len(seq_lens), 1024 // 16, dtype=torch.int32, device=batch.q.device)
+    width[:, :meta.block_tables.shape[1]] = meta.block_tables  # a graph's table width
+    out = pa.paged_attention_prefill(batch.q, batch.k_cache, batch.v_cache, width,
+                                     meta.seq_lens, meta.query_start_loc, pa.SHORT_Q_TILE, SCALE)
+    real = sum(q_lens)
+    torch.testing.assert_close(out[:real], _reference(batch)[:real], **tol(dtype))
+    assert torch.isnan(out[real:]).all()
