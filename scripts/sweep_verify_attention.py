@@ -1,6 +1,7 @@
 """The prefill attention kernel's short-q-tile knobs (key tile, stages, split length) on a
-speculative verification as the mixed-step graph of 16 tokens runs it: one sequence with k + 1 = 5 new tokens after its context, 11
-padding token rows and 15 padding sequence rows (so the grid is the graph's), GPT-2-xl's 25
+speculative verification as the mixed-step graph of 16 tokens runs it: one sequence with
+k + 1 = 5 new tokens after its context, 11 padding token rows and 15 padding sequence rows,
+block tables as wide as a 1024-token context (so the grid is the graph's), GPT-2-xl's 25
 heads and gpt2's 12; beside the decode kernel on one token of the same context (what a plain
 step's attention costs), split as a decode graph splits it (max_seq_len 1024).
 
