@@ -33,6 +33,10 @@ sequence. The grid depends only on the tensors' shapes, so a CUDA graph can capt
     tiles    [  3, 1, 1,  2]       programs 0-2: seq 0; 3: seq 1; 4: seq 2; 5-6: seq 3;
                                    7.. (the grid's bound, ceil(202 / 64) + 4 = 8): exit
 
+A step of at most SHORT_Q_TILE tokens (a one-stream speculative verification) would leave
+its few programs walking the whole context one tile after another, so its grid gains a third
+axis, splits of the keys, whose partials the last split to finish merges, as decode's do.
+
 Query j of a sequence sits at position seq_len - q_len + j (the cached prefix comes first), so
 the same kernel serves a whole prompt, a prefix-cache hit, a chunk from the middle of a prompt
 and a k+1-token speculative verification. Tiles wholly before the q tile's first position skip
@@ -361,7 +365,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """q: [T, H, D], the new tokens of all sequences concatenated (query_start_loc [S+1]);
     each attends causally to its sequence's first seq_lens[s] cached tokens (new K/V already
     stored). Rows of q past query_start_loc[S] (padding) are left unwritten; a sequence may
-    have no new tokens. max_query_len (a host int, an upper bound) picks the q tile size."""
+    have no new tokens. max_query_len (a host int, an upper bound) picks the q tile size; a
+    step of at most SHORT_Q_TILE tokens also splits its keys (SHORT_Q_SPLIT_LEN)."""
     _check_cache(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
