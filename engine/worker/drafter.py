@@ -33,7 +33,8 @@ from engine.core.batch import ScheduledSequence
 from engine.core.config import EngineConfig, check_draft_model
 from engine.core.request import SamplingParams
 from engine.worker.attention import AttentionMetadata
-from engine.worker.cuda_graphs.draft_chain import CatchUp, DraftChainGraphs, greedy_chain
+from engine.worker.cuda_graphs.draft_chain import (CatchUp, DraftChainGraphs, feed_for_kv,
+                                                   greedy_chain)
 from engine.worker.inputs import StepInputs, prepare_host_inputs, to_device, upload
 from engine.worker.models.gpt2 import GPT2Config, find_checkpoint
 
@@ -121,7 +122,8 @@ class Drafter:
 
     def _eager_catch_up(self, rows: list[ScheduledSequence],
                         catch_ups: list[CatchUp | None]) -> None:
-        """The chain graphs' catch_up without graphs: the draft's forward for its KV only."""
+        """The chain graphs' catch_up without graphs: the draft's forward for its KV only
+        (feed_for_kv, as the graph's), over the catching-up rows."""
         lagging = [(row, c) for row, c in zip(rows, catch_ups) if c is not None]
         if not lagging:
             return
@@ -130,8 +132,8 @@ class Drafter:
                              for row, (position, _, _) in lagging])
         last_rows, columns = (upload([c[i] for _, c in lagging], torch.int64, runner.device)
                               for i in (1, 2))
-        runner.model(self._last_drafts[last_rows, columns], step.positions, runner.kv_caches,
-                     step.meta)
+        feed_for_kv(runner.model, runner.kv_caches, self._last_drafts[last_rows, columns],
+                    step.positions, step.meta, runner.block_size)
 
     def _eager_chain(self, rows: list[ScheduledSequence], counts: list[int],
                      width: int) -> torch.Tensor:

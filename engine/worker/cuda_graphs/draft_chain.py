@@ -75,6 +75,17 @@ def slots_at(block_tables: torch.Tensor, positions: torch.Tensor,
     return blocks * block_size + positions % block_size
 
 
+def feed_for_kv(model: torch.nn.Module, kv_caches: list, input_ids: torch.Tensor,
+                positions: torch.Tensor, meta: AttentionMetadata, block_size: int) -> None:
+    """The model's forward over one token a row at `positions` (-1: the row writes nothing),
+    for its KV only; `meta`: the rows' block tables, query starts and longest length."""
+    at = positions.clamp(min=0)
+    slots = slots_at(meta.block_tables, at[:, None], block_size).squeeze(1)
+    meta = replace(meta, slot_mapping=torch.where(positions >= 0, slots, -1),
+                   seq_lens=(at + 1).int(), seq_lens_host=None)
+    model(input_ids, at, kv_caches, meta)
+
+
 def greedy_chain(model: torch.nn.Module, kv_caches: list, input_ids: torch.Tensor,
                  positions: torch.Tensor, meta: AttentionMetadata, draft_counts: torch.Tensor,
                  iterations: int, draw: Draw) -> torch.Tensor:
@@ -126,15 +137,11 @@ class DraftChainGraphs(OneTokenGraphs):
         """The draft's forward, for its KV only, over each catching-up row's last draft of
         the last run (read from `drafts` before this run overwrites them) at its position;
         the other rows write nothing."""
-        m, block_size = self.meta, self.block_size
-        positions = m.catch_up_positions[:size].long()
-        at = positions.clamp(min=0)
-        slots = slots_at(m.block_tables[:size], at[:, None], block_size).squeeze(1)
-        meta = replace(self.attention_meta(size), slot_mapping=torch.where(
-            positions >= 0, slots, -1), seq_lens=(at + 1).int())
+        m = self.meta
         # a row without a catch-up reads any entry, NO_TOKEN too: clamped to a token id
         input_ids = self.drafts.view(-1).index_select(0, m.catch_up_sources[:size]).clamp_(0)
-        self.model(input_ids, at, self.kv_caches, meta)
+        feed_for_kv(self.model, self.kv_caches, input_ids, m.catch_up_positions[:size].long(),
+                    self.attention_meta(size), self.block_size)
 
     def first_iteration(self, size: int) -> tuple[ChainPlan, torch.Tensor]:
         """Plan every iteration of the first `size` rows, run the first: the plan and its
