@@ -16,7 +16,6 @@ from kernels.linear import LinearDispatch, SkinnyWins, measure_skinny_wins
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from kernels.sampling import row_sample
 from kernels.skinny_gemm import TILE_CANDIDATES, TileConfig
-from kernels.store_kv import store_kv
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +48,10 @@ def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],
 
 
 class TritonAttention:
-    """When every sequence has exactly one new token, the decode kernel, which also stores the
-    new K/V; otherwise store_kv, then the varlen prefill kernel. Grids come from the host ints
-    in AttentionMetadata, so a forward never syncs with the device."""
+    """When every sequence has exactly one new token, the decode kernel; otherwise the varlen
+    prefill kernel. Both store the new K/V (the prefill kernel itself in a short step, else
+    store_kv before it). Grids come from the host ints in AttentionMetadata, so a forward
+    never syncs with the device."""
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -61,6 +61,6 @@ class TritonAttention:
             return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                           scale, max_seq_len=meta.max_seq_len,
                                           new_kv=(k, v, meta.slot_mapping))
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                       meta.query_start_loc, meta.max_query_len, scale)
+                                       meta.query_start_loc, meta.max_query_len, scale,
+                                       new_kv=(k, v, meta.slot_mapping))

@@ -36,6 +36,10 @@ sequence. The grid depends only on the tensors' shapes, so a CUDA graph can capt
 A step of at most SHORT_Q_TILE tokens (a one-stream speculative verification) would leave
 its few programs walking the whole context one tile after another, so its grid gains a third
 axis, splits of the keys, whose partials the last split to finish merges, as decode's do.
+Such a step also stores its own K/V in the kernel, as decode does: each sequence has one q
+tile, so its new keys all fall in that tile's masked range, where every program reads them
+from the step's K/V (never a slot another program is writing) and the program whose split
+holds a position stores it.
 
 Query j of a sequence sits at position seq_len - q_len + j (the cached prefix comes first), so
 the same kernel serves a whole prompt, a prefix-cache hit, a chunk from the middle of a prompt
@@ -56,6 +60,7 @@ import triton.language as tl
 from kernels.arrival_counters import arrive_last, counters_for, reset_counter
 from kernels.device_info import num_sms
 from kernels.pdl import pdl_options, pdl_prologue
+from kernels.store_kv import store_kv
 
 LOG2E = 1.4426950408889634
 # Tuning knobs, module-level so scripts/bench_kernels.py --sweep can try others.
@@ -237,26 +242,66 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
-                  stride_slot, seq_len, lo, hi, qk_scale, BLOCK_SIZE: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Online-softmax update of a q tile's state over key tiles [lo, hi)."""
+                  stride_slot, seq_len, lo, hi, qk_scale, new_start, new_token0, k_new_ptr,
+                  v_new_ptr, slot_ptr, stride_nt, new_head_off, BLOCK_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  FUSE_STORE: tl.constexpr):
+    """Online-softmax update of a q tile's state over key tiles [lo, hi). FUSE_STORE: the
+    keys from position new_start on are the step's own, token new_token0 onwards of k_new /
+    v_new: read from there, not the cache, and stored by this program."""
     dims = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < seq_len
         rows = _tile_rows(bt_row, pos, valid, head_off, stride_slot, BLOCK_SIZE)
-        k_t = tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=valid[None, :], other=0.0)
+        if FUSE_STORE:
+            k_t, v = _load_and_store_new(k_cache_ptr, v_cache_ptr, rows, pos, valid, new_start,
+                                         new_token0, k_new_ptr, v_new_ptr, slot_ptr, stride_nt,
+                                         new_head_off, stride_slot, head_off, HEAD_DIM)
+        else:
+            k_t = tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=valid[None, :],
+                          other=0.0)
         s = tl.dot(q, k_t, input_precision="ieee") * qk_scale
         if CAUSAL:
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # a row may see no key yet: in a split that starts past its position, every key
+        # of a tile is masked (weights 0, not exp2(-inf - -inf) = NaN)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if not FUSE_STORE:
+            v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None],
+                        other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _load_and_store_new(k_cache_ptr, v_cache_ptr, rows, pos, valid, new_start, new_token0,
+                        k_new_ptr, v_new_ptr, slot_ptr, stride_nt, new_head_off, stride_slot,
+                        head_off, HEAD_DIM: tl.constexpr):
+    """A key tile (K transposed, V) whose positions from new_start on are read from the
+    step's K/V rather than the cache, and stored to their slots (none at slot -1)."""
+    dims = tl.arange(0, HEAD_DIM)
+    cached = valid & (pos < new_start)
+    is_new = valid & (pos >= new_start)
+    token = new_token0 + (pos - new_start).to(tl.int64)
+    new_rows = token * stride_nt + new_head_off
+    k_t = (tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=cached[None, :], other=0.0)
+           + tl.load(k_new_ptr + new_rows[None, :] + dims[:, None], mask=is_new[None, :],
+                     other=0.0))
+    v = (tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=cached[:, None], other=0.0)
+         + tl.load(v_new_ptr + new_rows[:, None] + dims[None, :], mask=is_new[:, None],
+                   other=0.0))
+    slot = tl.load(slot_ptr + token, mask=is_new, other=-1).to(tl.int64)
+    dst = slot * stride_slot + head_off
+    stored = is_new & (slot >= 0)
+    tl.store(k_cache_ptr + dst[None, :] + dims[:, None], k_t, mask=stored[None, :])
+    tl.store(v_cache_ptr + dst[:, None] + dims[None, :], v, mask=stored[:, None])
+    return k_t, v
 
 
 @triton.jit
@@ -277,12 +322,13 @@ def _find_q_tile(tile, query_start_ptr, num_seqs, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                    query_start_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, qk_scale,
-                    num_seqs, tokens_per_split,
+                    query_start_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, k_new_ptr,
+                    v_new_ptr, slot_ptr, qk_scale, num_seqs, tokens_per_split,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_ch,
+                    stride_nt, stride_nh,
                     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, SEQS_POW2: tl.constexpr, SPLIT: tl.constexpr,
-                    MAX_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+                    MAX_SPLITS: tl.constexpr, FUSE_STORE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)  # before the early return: every program waits
     head = tl.program_id(1)
     seq, q_tile = _find_q_tile(tl.program_id(0), query_start_ptr, num_seqs, BLOCK_M, SEQS_POW2)
@@ -309,13 +355,20 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
     if SPLIT:  # this program's keys: [lo, hi) of its split (tile-aligned)
         lo = tl.program_id(2) * tokens_per_split
         hi = tl.minimum(hi, lo + tokens_per_split)
+    # FUSE_STORE (one q tile a sequence): the step's own keys, from seq_len - q_len on, all
+    # lie in the masked range
+    new_start = seq_len - q_len
+    new_head_off = head * stride_nh
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
                                   head_off, stride_slot, seq_len, lo,
-                                  tl.minimum(unmasked_end, hi), qk_scale, BLOCK_SIZE, HEAD_DIM,
-                                  BLOCK_N, False)
+                                  tl.minimum(unmasked_end, hi), qk_scale, new_start, q_start,
+                                  k_new_ptr, v_new_ptr, slot_ptr, stride_nt, new_head_off,
+                                  BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, False)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
                                   head_off, stride_slot, seq_len, tl.maximum(lo, unmasked_end),
-                                  hi, qk_scale, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True)
+                                  hi, qk_scale, new_start, q_start, k_new_ptr, v_new_ptr,
+                                  slot_ptr, stride_nt, new_head_off, BLOCK_SIZE, HEAD_DIM,
+                                  BLOCK_N, True, FUSE_STORE)
     real = offs_m < q_len
     out_ptrs = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :]
     if SPLIT:
@@ -361,16 +414,26 @@ def _store_split_rows(acc, l_i, m_i, tokens, real, head, out_ptrs, part_out_ptr,
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, max_query_len: int,
-                            scale: float) -> torch.Tensor:
+                            scale: float,
+                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                            ) -> torch.Tensor:
     """q: [T, H, D], the new tokens of all sequences concatenated (query_start_loc [S+1]);
-    each attends causally to its sequence's first seq_lens[s] cached tokens (new K/V already
-    stored). Rows of q past query_start_loc[S] (padding) are left unwritten; a sequence may
-    have no new tokens. max_query_len (a host int, an upper bound) picks the q tile size; a
-    step of at most SHORT_Q_TILE tokens also splits its keys (SHORT_Q_SPLIT_LEN)."""
+    each attends causally to its sequence's first seq_lens[s] cached tokens. Rows of q past
+    query_start_loc[S] (padding) are left unwritten; a sequence may have no new tokens.
+    max_query_len (a host int, an upper bound) picks the q tile size; a step of at most
+    SHORT_Q_TILE tokens also splits its keys (SHORT_Q_SPLIT_LEN).
+    Without new_kv the new tokens' K/V must already be stored. With new_kv = (k [T, H, D],
+    v [T, H, D], slot_mapping [T]) they are stored here (slot -1: not stored): in a short
+    step by the kernel itself, which reads them from k and v, not the cache (one launch
+    fewer, as decode's fused store); otherwise by store_kv first."""
     _check_cache(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if num_seqs == 0 or max_query_len == 0:
+    short = q.shape[0] <= SHORT_Q_TILE  # so at most one q tile a sequence
+    if new_kv is not None and not short:
+        store_kv(*new_kv[:2], k_cache, v_cache, new_kv[2])
+        new_kv = None
+    if num_seqs == 0 or max_query_len == 0:  # no new tokens: nothing to store either
         return out
     # short queries (speculative verification) get a small tile; tl.dot needs M >= 16
     block_m = min(PREFILL_BLOCK_M, max(16, triton.next_power_of_2(max_query_len)))
@@ -380,7 +443,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # least 16, so batches of up to 16 sequences share one compiled variant
     tiles = triton.cdiv(q.shape[0], block_m) + num_seqs
     splits = 1
-    if q.shape[0] <= SHORT_Q_TILE:
+    if short:
         splits = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], SHORT_Q_SPLIT_LEN)
     part_out = part_lse = counters = out  # placeholders, unused when splits == 1
     if splits > 1:
@@ -388,13 +451,17 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                device=q.device)
         part_lse = torch.empty((*q.shape[:2], splits), dtype=torch.float32, device=q.device)
         counters = counters_for(q.device, tiles * q.shape[1])
+    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)  # unused if None
+    assert k_new.stride() == v_new.stride() and k_new.stride(2) == 1
+    assert k_new.dtype == k_cache.dtype
     _prefill_kernel[(tiles, q.shape[1], splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        counters, scale * LOG2E, num_seqs, SHORT_Q_SPLIT_LEN, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1),
-        k_cache.stride(2), BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=q.shape[2], BLOCK_M=block_m,
-        BLOCK_N=block_n, SEQS_POW2=max(16, triton.next_power_of_2(num_seqs)),
-        SPLIT=splits > 1, MAX_SPLITS=triton.next_power_of_2(splits),
+        counters, k_new, v_new, slots, scale * LOG2E, num_seqs, SHORT_Q_SPLIT_LEN, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), k_cache.stride(1),
+        k_cache.stride(2), k_new.stride(0), k_new.stride(1), BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=q.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
+        SEQS_POW2=max(16, triton.next_power_of_2(num_seqs)), SPLIT=splits > 1,
+        MAX_SPLITS=triton.next_power_of_2(splits), FUSE_STORE=new_kv is not None,
         num_warps=PREFILL_NUM_WARPS, num_stages=stages, **pdl_options(q.device))
     return out
 

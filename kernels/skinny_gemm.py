@@ -56,9 +56,11 @@ class TileConfig(NamedTuple):
 
 
 # The tile configs the startup table tries per shape: scripts/sweep_skinny.py's winners for
-# GPT-2 small's and XL's linear shapes at M = 1 (docs/kernels.md)
+# GPT-2 small's and XL's linear shapes at M = 1, and for XL's MLP projection at M = 16 (a
+# one-stream verification step, where cuBLAS takes split-K and a reduce; docs/kernels.md)
 TILE_CANDIDATES = (TileConfig(32, 256, 2, 4, 2), TileConfig(64, 256, 4, 4, 2),
-                   TileConfig(16, 256, 4, 4, 2), TileConfig(32, 128, 2, 4, 1))
+                   TileConfig(16, 256, 4, 4, 2), TileConfig(32, 128, 2, 4, 1),
+                   TileConfig(16, 128, 2, 4, 1))
 
 
 class AddNorm(NamedTuple):

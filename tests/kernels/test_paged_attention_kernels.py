@@ -110,13 +110,14 @@ def test_prefill_grid_from_shapes(cases):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("contexts", [[1000], [9], [300, 5, 129]], ids=["long", "one-split",
-                                                                        "three-rows"])
+@pytest.mark.parametrize("contexts", [[1000], [9], [300, 5, 129], [258, 256]],
+                         ids=["long", "one-split", "three-rows", "across-a-split"])
 def test_prefill_short_step_splits_its_keys(dtype, contexts):
     """A step of at most one short q tile of tokens (a verification as the 16-token graph
     pads it: sequences with no new tokens, padding token rows) splits its keys every
     SHORT_Q_SPLIT_LEN positions of the block tables' width and merges the splits: the rows
-    are the reference's, whichever splits hold their keys, and padding stays unwritten."""
+    are the reference's, whichever splits hold their keys (a query before a split's first
+    key gets nothing from it), and padding stays unwritten."""
     q_lens = [min(5, n) for n in contexts] + [0] * (pa.SHORT_Q_TILE - len(contexts))
     seq_lens = contexts + [0] * (pa.SHORT_Q_TILE - len(contexts))
     pad = pa.SHORT_Q_TILE - sum(q_lens)
@@ -129,3 +130,44 @@ def test_prefill_short_step_splits_its_keys(dtype, contexts):
     real = sum(q_lens)
     torch.testing.assert_close(out[:real], _reference(batch)[:real], **tol(dtype))
     assert torch.isnan(out[real:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("contexts", [[300, 5, 129], [256, 258]], ids=["three-rows",
+                                                                      "across-a-split"])
+def test_prefill_short_step_stores_its_own_kv(dtype, contexts):
+    """With new_kv a short step stores its K/V in the kernel (never at slot -1) and attends to
+    them from k/v: their slots are poisoned first, so a read-before-write shows as NaN. A
+    longer step stores them with store_kv first; both give the reference's rows."""
+    q_lens = [min(5, n) for n in contexts]
+    batch = make_paged_batch(q_lens, contexts, 16, dtype, pad=pa.SHORT_Q_TILE - sum(q_lens))
+    meta = batch.meta
+    expected = _reference(batch)  # the fixture's cache already holds the new K/V
+    slots = meta.slot_mapping.clone()
+    real = sum(q_lens)
+    k_flat, v_flat = (c.view(-1, *c.shape[2:]) for c in (batch.k_cache, batch.v_cache))
+    k_flat[slots[:real]], v_flat[slots[:real]] = float("nan"), float("nan")
+    unstored = slots[1].item()
+    slots[1] = -1  # attends from k/v like the others, but must not be stored
+    out = pa.paged_attention_prefill(batch.q, batch.k_cache, batch.v_cache, meta.block_tables,
+                                     meta.seq_lens, meta.query_start_loc, pa.SHORT_Q_TILE,
+                                     SCALE, new_kv=(batch.k_new, batch.v_new, slots))
+    torch.testing.assert_close(out[:real], expected[:real], **tol(dtype))
+    stored = slots >= 0
+    assert torch.equal(k_flat[slots[stored]], batch.k_new[stored])
+    assert torch.equal(v_flat[slots[stored]], batch.v_new[stored])
+    assert torch.isnan(k_flat[unstored]).all() and torch.isnan(v_flat[unstored]).all()
+
+
+def test_prefill_long_step_stores_its_kv_first():
+    """A step longer than SHORT_Q_TILE with new_kv: stored by store_kv, then attended."""
+    batch = make_paged_batch([37, 1], [37, 40], 16, torch.float32)
+    meta = batch.meta
+    expected = _reference(batch)
+    k_flat, v_flat = (c.view(-1, *c.shape[2:]) for c in (batch.k_cache, batch.v_cache))
+    k_flat[meta.slot_mapping], v_flat[meta.slot_mapping] = float("nan"), float("nan")
+    out = pa.paged_attention_prefill(batch.q, batch.k_cache, batch.v_cache, meta.block_tables,
+                                     meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                                     SCALE, new_kv=(batch.k_new, batch.v_new, meta.slot_mapping))
+    torch.testing.assert_close(out, expected, **tol(torch.float32))
+    assert torch.equal(k_flat[meta.slot_mapping], batch.k_new)
