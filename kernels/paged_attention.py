@@ -37,9 +37,9 @@ A step of at most SHORT_Q_TILE tokens (a one-stream speculative verification) wo
 its few programs walking the whole context one tile after another, so its grid gains a third
 axis, splits of the keys, whose partials the last split to finish merges, as decode's do.
 Such a step also stores its own K/V in the kernel, as decode does: each sequence has one q
-tile, so its new keys all fall in that tile's masked range, where every program reads them
-from the step's K/V (never a slot another program is writing) and the program whose split
-holds a position stores it.
+tile, its queries are its new tokens, so every cached key is visible to all of them and the
+new keys make one more tile, read from the step's K/V (never a slot another program
+is writing) and stored by the program whose split holds them.
 
 Query j of a sequence sits at position seq_len - q_len + j (the cached prefix comes first), so
 the same kernel serves a whole prompt, a prefix-cache hit, a chunk from the middle of a prompt
@@ -242,66 +242,64 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
-                  stride_slot, seq_len, lo, hi, qk_scale, new_start, new_token0, k_new_ptr,
-                  v_new_ptr, slot_ptr, stride_nt, new_head_off, BLOCK_SIZE: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                  FUSE_STORE: tl.constexpr):
-    """Online-softmax update of a q tile's state over key tiles [lo, hi). FUSE_STORE: the
-    keys from position new_start on are the step's own, token new_token0 onwards of k_new /
-    v_new: read from there, not the cache, and stored by this program."""
+                  stride_slot, lo, hi, qk_scale, BLOCK_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Online-softmax update of a q tile's state over the keys at positions [lo, hi)."""
     dims = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < seq_len
+        valid = pos < hi
         rows = _tile_rows(bt_row, pos, valid, head_off, stride_slot, BLOCK_SIZE)
-        if FUSE_STORE:
-            k_t, v = _load_and_store_new(k_cache_ptr, v_cache_ptr, rows, pos, valid, new_start,
-                                         new_token0, k_new_ptr, v_new_ptr, slot_ptr, stride_nt,
-                                         new_head_off, stride_slot, head_off, HEAD_DIM)
-        else:
-            k_t = tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=valid[None, :],
-                          other=0.0)
+        k_t = tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=valid[None, :], other=0.0)
         s = tl.dot(q, k_t, input_precision="ieee") * qk_scale
         if CAUSAL:
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # a row may see no key yet: in a split that starts past its position, every key
-        # of a tile is masked (weights 0, not exp2(-inf - -inf) = NaN)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if not FUSE_STORE:
-            v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None],
-                        other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        acc, l_i, m_i, p = _online_softmax(acc, l_i, m_i, s, CAUSAL)
+        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc, l_i, m_i
 
 
 @triton.jit
-def _load_and_store_new(k_cache_ptr, v_cache_ptr, rows, pos, valid, new_start, new_token0,
-                        k_new_ptr, v_new_ptr, slot_ptr, stride_nt, new_head_off, stride_slot,
-                        head_off, HEAD_DIM: tl.constexpr):
-    """A key tile (K transposed, V) whose positions from new_start on are read from the
-    step's K/V rather than the cache, and stored to their slots (none at slot -1)."""
+def _online_softmax(acc, l_i, m_i, s, MAY_SEE_NONE: tl.constexpr):
+    """The state rescaled to s's new row maxima (acc then lacks this tile's p @ v), and the
+    tile's weights p. MAY_SEE_NONE: a row may have no visible key yet (a split starting past
+    its position), whose weights must be 0, not exp2(-inf - -inf) = NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = m_new
+    if MAY_SEE_NONE:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    return acc * alpha[:, None], l_i * alpha + tl.sum(p, axis=1), m_new, p
+
+
+@triton.jit
+def _attend_own_keys(acc, l_i, m_i, q, q_pos, q_start, new_start, seq_len, lo, hi, k_new_ptr,
+                     v_new_ptr, slot_ptr, stride_nt, new_head_off, k_cache_ptr, v_cache_ptr,
+                     stride_slot, head_off, qk_scale, HEAD_DIM: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+    """A short step's tile over its sequence's own new keys (positions new_start .. seq_len,
+    tokens q_start onwards) that lie in [lo, hi): read from the step's K/V, causally masked,
+    and stored to their slots (none at slot -1) by this program, the one whose split holds
+    them."""
     dims = tl.arange(0, HEAD_DIM)
-    cached = valid & (pos < new_start)
-    is_new = valid & (pos >= new_start)
-    token = new_token0 + (pos - new_start).to(tl.int64)
-    new_rows = token * stride_nt + new_head_off
-    k_t = (tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=cached[None, :], other=0.0)
-           + tl.load(k_new_ptr + new_rows[None, :] + dims[:, None], mask=is_new[None, :],
-                     other=0.0))
-    v = (tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=cached[:, None], other=0.0)
-         + tl.load(v_new_ptr + new_rows[:, None] + dims[None, :], mask=is_new[:, None],
-                   other=0.0))
-    slot = tl.load(slot_ptr + token, mask=is_new, other=-1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_M)
+    pos = new_start + offs
+    own = (pos < seq_len) & (pos >= lo) & (pos < hi)
+    rows = (q_start + offs).to(tl.int64) * stride_nt + new_head_off
+    k_t = tl.load(k_new_ptr + rows[None, :] + dims[:, None], mask=own[None, :], other=0.0)
+    v = tl.load(v_new_ptr + rows[:, None] + dims[None, :], mask=own[:, None], other=0.0)
+    s = tl.dot(q, k_t, input_precision="ieee") * qk_scale
+    s = tl.where(own[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    acc, l_i, m_i, p = _online_softmax(acc, l_i, m_i, s, True)
+    acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    slot = tl.load(slot_ptr + q_start + offs, mask=own, other=-1).to(tl.int64)
     dst = slot * stride_slot + head_off
-    stored = is_new & (slot >= 0)
+    stored = own & (slot >= 0)
     tl.store(k_cache_ptr + dst[None, :] + dims[:, None], k_t, mask=stored[None, :])
     tl.store(v_cache_ptr + dst[:, None] + dims[None, :], v, mask=stored[:, None])
-    return k_t, v
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -355,20 +353,26 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
     if SPLIT:  # this program's keys: [lo, hi) of its split (tile-aligned)
         lo = tl.program_id(2) * tokens_per_split
         hi = tl.minimum(hi, lo + tokens_per_split)
-    # FUSE_STORE (one q tile a sequence): the step's own keys, from seq_len - q_len on, all
-    # lie in the masked range
-    new_start = seq_len - q_len
-    new_head_off = head * stride_nh
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
-                                  head_off, stride_slot, seq_len, lo,
-                                  tl.minimum(unmasked_end, hi), qk_scale, new_start, q_start,
-                                  k_new_ptr, v_new_ptr, slot_ptr, stride_nt, new_head_off,
-                                  BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, False)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
-                                  head_off, stride_slot, seq_len, tl.maximum(lo, unmasked_end),
-                                  hi, qk_scale, new_start, q_start, k_new_ptr, v_new_ptr,
-                                  slot_ptr, stride_nt, new_head_off, BLOCK_SIZE, HEAD_DIM,
-                                  BLOCK_N, True, FUSE_STORE)
+    if FUSE_STORE:  # a short step: one q tile a sequence, its queries are its new tokens
+        # the cached keys end at new_start, mid-tile: the causal mask cuts the tile there
+        new_start = seq_len - q_len
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr,
+                                      bt_row, head_off, stride_slot, lo,
+                                      tl.minimum(new_start, hi), qk_scale, BLOCK_SIZE,
+                                      HEAD_DIM, BLOCK_N, True)
+        acc, l_i, m_i = _attend_own_keys(acc, l_i, m_i, q, q_pos, q_start, new_start, seq_len,
+                                         lo, hi, k_new_ptr, v_new_ptr, slot_ptr, stride_nt,
+                                         head * stride_nh, k_cache_ptr, v_cache_ptr,
+                                         stride_slot, head_off, qk_scale, HEAD_DIM, BLOCK_M)
+    else:
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr,
+                                      bt_row, head_off, stride_slot, lo,
+                                      tl.minimum(unmasked_end, hi), qk_scale, BLOCK_SIZE,
+                                      HEAD_DIM, BLOCK_N, False)
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr,
+                                      bt_row, head_off, stride_slot,
+                                      tl.maximum(lo, unmasked_end), hi, qk_scale, BLOCK_SIZE,
+                                      HEAD_DIM, BLOCK_N, True)
     real = offs_m < q_len
     out_ptrs = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :]
     if SPLIT:

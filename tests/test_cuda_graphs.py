@@ -9,11 +9,13 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence
-from engine.worker.cuda_graphs import (DecodeGraphs, DecodeStager, MixedGraphs, MixedStager,
-                                       capture_sizes, decode_meta_layout, mixed_capture_sizes,
-                                       mixed_meta_layout)
+from engine.core.config import EngineConfig
+from engine.worker.cuda_graphs import (MIN_MIXED_TOKENS, DecodeGraphs, DecodeStager,
+                                       MixedGraphs, MixedStager, capture_sizes,
+                                       decode_meta_layout, mixed_capture_sizes, mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 from engine.worker.cuda_graphs.draft_chain import DraftChainGraphs
+from engine.worker.device import graph_row_counts
 from engine.spec.oracle import OracleProposer
 from engine.worker.inputs import prepare_host_inputs
 
@@ -22,6 +24,15 @@ def test_capture_sizes_cover_every_batch():
     assert capture_sizes(1) == [1]
     assert capture_sizes(5) == [1, 2, 4, 5]
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_the_linear_table_covers_the_smallest_mixed_graph():
+    """A one-stream verification runs in the 16-token mixed graph: its linears at M = 16
+    must be in the skinny table even when no decode graph has 16 rows."""
+    config = EngineConfig.from_flat(max_num_seqs=4)
+    assert graph_row_counts(config) == [1, 2, 4, MIN_MIXED_TOKENS]
+    eager_mixed = EngineConfig.from_flat(max_num_seqs=4, mixed_step_graphs=False)
+    assert graph_row_counts(eager_mixed) == [1, 2, 4]
     assert capture_sizes(30)[-1] == 30
 
 

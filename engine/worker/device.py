@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.config import EngineConfig
-from engine.worker.cuda_graphs import capture_sizes
+from engine.worker.cuda_graphs import MIN_MIXED_TOKENS, capture_sizes
 from engine.worker.layers import TORCH_OPS, LinearShape, Ops
 from engine.worker.startup import StartupCache
 
@@ -40,13 +40,21 @@ def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig
             ) -> tuple[Ops, str | None]:
     """Fused Triton ops go with the Triton backend (imported lazily, so CPU runs need no
     Triton), the model's linear layers routed by a table measured on this GPU (or kept in
-    `cache` from an earlier start) for the decode batch sizes that CUDA graphs replay; and
-    where that table came from ("cached", "measured"; None: no table)."""
+    `cache` from an earlier start) for the row counts that CUDA graphs replay; and where
+    that table came from ("cached", "measured"; None: no table)."""
     if backend != "triton":
         return TORCH_OPS, None
     from kernels.backend import measured_triton_ops, triton_ops
 
     if config.model.enforce_eager:
         return triton_ops(), None
-    return measured_triton_ops(linear_shapes, capture_sizes(config.scheduler.max_num_seqs),
-                               dtype, device, cache)
+    return measured_triton_ops(linear_shapes, graph_row_counts(config), dtype, device, cache)
+
+
+def graph_row_counts(config: EngineConfig) -> list[int]:
+    """The decode graphs' batch sizes, and the smallest mixed-step graph's token count (a
+    one-stream speculative verification runs there)."""
+    sizes = set(capture_sizes(config.scheduler.max_num_seqs))
+    if config.model.mixed_step_graphs:
+        sizes.add(MIN_MIXED_TOKENS)
+    return sorted(sizes)

@@ -21,8 +21,9 @@ A graph gathers its input ids from prev_tokens | token_ids by token source: a kn
 own entry in token_ids, or a placeholder's sampled token in prev_tokens.
 """
 from engine.worker.cuda_graphs.decode import DecodeGraphs, DecodeStager, decode_meta_layout
-from engine.worker.cuda_graphs.graph_set import capture_sizes, mixed_capture_sizes
+from engine.worker.cuda_graphs.graph_set import (MIN_MIXED_TOKENS, capture_sizes,
+                                                 mixed_capture_sizes)
 from engine.worker.cuda_graphs.mixed import MixedGraphs, MixedStager, mixed_meta_layout
 
-__all__ = ["DecodeGraphs", "DecodeStager", "MixedGraphs", "MixedStager", "capture_sizes",
-           "decode_meta_layout", "mixed_capture_sizes", "mixed_meta_layout"]
+__all__ = ["MIN_MIXED_TOKENS", "DecodeGraphs", "DecodeStager", "MixedGraphs", "MixedStager",
+           "capture_sizes", "decode_meta_layout", "mixed_capture_sizes", "mixed_meta_layout"]
