@@ -10,9 +10,9 @@ Prints a timeline of a few steps (host phases, and the device's busy segments: k
 closer than 5 us merged) and writes profile_spec.json: per step, the wall time, the device's
 busy time, and each host phase's time (inflated by the profiler's own host cost, so a second
 run times the phases with perf_counter alone: "host_phases_ms"); and "graphs": each CUDA
-graph a speculative step replays (the draft's first iteration and one after it, its
-catch-up, the target's verification graph, the draft's follow pass
-over the same tokens, which a step of verification rows only skips) and the target's plain
+graph a speculative step replays (the draft's first iteration, alone and catching up, and
+one after it, the target's verification graph, the draft's follow pass over the same
+tokens, which a step of verification rows only skips) and the target's plain
 decode graph, replayed alone under the profiler: its kernels in order with their device
 time.
 """
@@ -171,7 +171,8 @@ def profile_graphs(plain: Bench, bench: Bench, k: int) -> dict:
             f"target_verify_{verify_size}": graph_kernels(target.mixed_graphs.graphs[verify_size]),
             f"draft_follow_{verify_size}":
                 graph_kernels(target.mixed_graphs.follow_graphs[verify_size]),
-            "draft_catch_up_1": graph_kernels(drafter.chain.catch_up_graphs[1]),
+            "draft_chain_1_first_catching_up":
+                graph_kernels(drafter.chain.catching_up_graphs[1]),
             "draft_chain_1_first": graph_kernels(drafter.chain.graphs[1][0]),
             "draft_chain_1_next": graph_kernels(drafter.chain.graphs[1][1])}
 

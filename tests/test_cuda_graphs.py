@@ -95,12 +95,16 @@ class _EagerChain:
     def __init__(self, chain: DraftChainGraphs, size: int):
         self.chain, self.size = chain, size
         self.iterations = [_EagerReplay(partial(self.run, i)) for i in range(chain.iterations)]
+        self.catching_up = _EagerReplay(self.run_catching_up)
 
     def run(self, i: int) -> None:
         if i == 0:
             self.plan, self.tokens = self.chain.first_iteration(self.size)
         else:
             self.tokens = self.chain.iteration(self.size, i, self.plan, self.tokens)
+
+    def run_catching_up(self) -> None:
+        self.plan, self.tokens = self.chain.first_iteration_catching_up(self.size)
 
 
 def _refresh_outputs(graphs, size: int) -> None:
@@ -112,8 +116,9 @@ def replay_eagerly(graphs) -> None:
     chain a replay per iteration, any other set one per size (and the follower's)."""
     for size in graphs.sizes:
         if isinstance(graphs, DraftChainGraphs):
-            graphs.graphs[size] = _EagerChain(graphs, size).iterations
-            graphs.catch_up_graphs[size] = _EagerReplay(partial(graphs.catch_up, size))
+            eager = _EagerChain(graphs, size)
+            graphs.graphs[size], graphs.catching_up_graphs[size] = (eager.iterations,
+                                                                    eager.catching_up)
             continue
         graphs.graphs[size] = _EagerReplay(partial(_refresh_outputs, graphs, size))
         if graphs.follower is not None:

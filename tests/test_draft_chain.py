@@ -1,7 +1,9 @@
 """The draft's chained greedy iterations (engine/worker/cuda_graphs/draft_chain.py) on CPU:
 each row drafts the model's own greedy continuation, as many tokens as its count, writes KV at
 those positions only, and reads NO_TOKEN after; the chain graphs' staging gives the same, and
-their catch-up writes the KV of the last run's last draft."""
+their first iteration catching up writes the KV of the last run's last draft as well."""
+from dataclasses import replace
+
 import torch
 
 from engine.core.batch import ScheduledSequence
@@ -72,9 +74,11 @@ def test_chain_graph_staging_gives_the_eager_chain(tiny_checkpoint, monkeypatch)
 
 
 def test_a_catch_up_writes_the_kv_of_the_last_runs_last_draft(tiny_checkpoint, monkeypatch):
-    """After a run in which row 1 drafted 3 (KV at positions 0-2), its catch-up feeds its
-    third draft at position 3: the KV there is what a 4-iteration chain writes for it. Rows
-    without a catch-up read the drafts' first entry, NO_TOKEN here (row 0 drafted none)."""
+    """After a run in which row 1 drafted 3 (KV at positions 0-2), all accepted, the next run
+    has row 1 at position 4 with its bonus token, catching up: its first iteration feeds the
+    third draft at position 3 and the bonus at 4 in one forward. The KV at 3 and 4 and the
+    draft after them are what one 5-iteration chain gives. Rows without a catch-up read the
+    drafts' first entry, NO_TOKEN here (row 0 drafted none)."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
     reference = make_llm(tiny_checkpoint, block_size=8).engine.runner
     rows = rows_at_position_zero(reference.block_size)
@@ -85,12 +89,16 @@ def test_a_catch_up_writes_the_kv_of_the_last_runs_last_draft(tiny_checkpoint, m
                              1024, runner.device, 3)
     replay_eagerly(chain)
     with torch.inference_mode():
-        greedy_chain(reference.model, reference.kv_caches, step.input_ids, step.positions,
-                     step.meta, torch.tensor([0, 4, 0], dtype=torch.int32), 4,
-                     lambda hidden: reference.model.lm_head(hidden).argmax(dim=-1))
+        expected = greedy_chain(reference.model, reference.kv_caches, step.input_ids,
+                                step.positions, step.meta,
+                                torch.tensor([0, 5, 0], dtype=torch.int32), 5,
+                                lambda hidden: reference.model.lm_head(hidden).argmax(dim=-1))
         assert chain.run(rows, [0, 3, 1], [None] * 3)[0, 0] == NO_TOKEN
         (k_cache, v_cache), (k_ref, v_ref) = runner.kv_caches[-1], reference.kv_caches[-1]
         assert k_cache[2, 3].abs().sum() == 0  # block 2 is row 1's: position 3 not yet
-        chain.run(rows, [1, 1, 0], [None, (3, 1, 2), None])
+        bonus = int(expected[1, 3])
+        rows[1] = replace(rows[1], token_ids=[bonus], start_position=4)
+        drafts = chain.run(rows, [0, 1, 0], [None, (3, 1, 2), None])
+    assert drafts[1, 0] == expected[1, 4]
     for cache, ref in ((k_cache, k_ref), (v_cache, v_ref)):
-        torch.testing.assert_close(cache[2, 3], ref[2, 3], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache[2, 3:5], ref[2, 3:5], atol=1e-5, rtol=1e-5)

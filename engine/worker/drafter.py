@@ -112,11 +112,15 @@ class Drafter:
     def _catch_ups(self, seqs: list[ScheduledSequence]) -> list[CatchUp | None]:
         """A verification step without the follow pass leaves the draft without KV at each
         row's last draft (fill's iterations wrote the ones before it). A request that
-        accepted every draft decodes from the position after it, so before drafting again
-        the draft is fed that last draft, read on the device from the last fill's."""
+        accepted every draft decodes from the position after it (its one known token, the
+        bonus, there), so before drafting again the draft is fed that last draft, read on
+        the device from the last fill's: in the chain graphs, in the same forward as the
+        bonus, one position before it."""
         def catch_up(seq: ScheduledSequence) -> CatchUp | None:
             last = self._unfollowed.get(seq.request_id)
-            return last if seq.num_drafts and last and last[0] == seq.start_position - 1 else None
+            follows_last = (last is not None and last[0] == seq.start_position - 1
+                            and len(seq.token_ids) == seq.num_drafts + 1)
+            return last if seq.num_drafts and follows_last else None
 
         return [catch_up(s) for s in seqs]
 

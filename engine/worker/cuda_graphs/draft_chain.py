@@ -120,7 +120,8 @@ class DraftChainGraphs(OneTokenGraphs):
     """greedy_chain's iterations (up to `iterations`), a graph each per padded batch size:
     graphs[size][0] records first_iteration(size), graphs[size][i] iteration(size, i, ...)
     over the plan and tokens that the graphs before it left. The drafts land in `drafts`.
-    Before them, when some row has one, catch_up_graphs[size] records catch_up(size)."""
+    When some row catches up, catching_up_graphs[size] (first_iteration_catching_up) takes
+    the first iteration's place."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
@@ -131,17 +132,48 @@ class DraftChainGraphs(OneTokenGraphs):
         self.iterations, self.block_size = iterations, block_size
         self.drafts = torch.full((self.max_batch, iterations), NO_TOKEN, dtype=torch.int64,
                                  device=device)
-        self.catch_up_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # the first iteration when a row catches up (first_iteration_catching_up)
+        self.catching_up_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def catch_up(self, size: int) -> None:
-        """The draft's forward, for its KV only, over each catching-up row's last draft of
-        the last run (read from `drafts` before this run overwrites them) at its position;
-        the other rows write nothing."""
-        m = self.meta
+    def first_iteration_catching_up(self, size: int,
+                                    first: tuple[ChainPlan, torch.Tensor] | None = None
+                                    ) -> tuple[ChainPlan, torch.Tensor]:
+        """first_iteration, in one forward with each catching-up row's last draft of the
+        last run (read from `drafts` before this run overwrites them) fed at its position,
+        one before the row's: such a row has two tokens, the others one, packed varlen
+        (padding token rows at the end). Its plan and tokens are also copied into `first`
+        (the plain first iteration's captured outputs, which the iterations after it read)."""
+        m, n = self.meta, 2 * size  # n: the token rows' capacity, index n a trash entry
+        own_tokens, positions = self._inputs(size)
+        plan = ChainPlan.of(positions, m.block_tables[:size], m.draft_counts[:size],
+                            self.iterations, self.block_size)
+        catching_up = m.catch_up_positions[:size] >= 0
+        own_rows = torch.arange(size, device=positions.device) + catching_up.cumsum(0)
+        catch_up_rows = torch.where(catching_up, own_rows - 1, n)
         # a row without a catch-up reads any entry, NO_TOKEN too: clamped to a token id
-        input_ids = self.drafts.view(-1).index_select(0, m.catch_up_sources[:size]).clamp_(0)
-        feed_for_kv(self.model, self.kv_caches, input_ids, m.catch_up_positions[:size].long(),
-                    self.attention_meta(size), self.block_size)
+        catch_up_tokens = self.drafts.view(-1).index_select(0, m.catch_up_sources[:size])
+        catch_up_at = (positions - 1).clamp(min=0)
+        catch_up_slots = slots_at(m.block_tables[:size], catch_up_at[:, None],
+                                  self.block_size).squeeze(1)
+
+        def packed(own: torch.Tensor, catch_up: torch.Tensor, fill: int) -> torch.Tensor:
+            rows = own.new_full((n + 1,), fill)
+            return rows.index_copy(0, own_rows, own).index_copy(0, catch_up_rows, catch_up)[:n]
+
+        meta = AttentionMetadata(
+            slot_mapping=packed(plan.slots[0], catch_up_slots, -1),
+            block_tables=m.block_tables[:size], seq_lens=plan.seq_lens[0],
+            query_start_loc=torch.cat([own_rows.new_zeros(1), own_rows + 1]).int(),
+            max_query_len=2, max_seq_len=self.max_model_len)
+        hidden = self.model(packed(own_tokens, catch_up_tokens.clamp(min=0), 0),
+                            packed(positions, catch_up_at, 0), self.kv_caches, meta)
+        tokens = self._logits_and_draws(hidden.index_select(0, own_rows))[1]
+        self.drafts[:size, 0] = plan.drafts(tokens, 0)
+        if first is not None:
+            for field in ("positions", "slots", "seq_lens", "drafted"):
+                getattr(first[0], field).copy_(getattr(plan, field))
+            first[1].copy_(tokens)
+        return plan, tokens
 
     def first_iteration(self, size: int) -> tuple[ChainPlan, torch.Tensor]:
         """Plan every iteration of the first `size` rows, run the first: the plan and its
@@ -164,9 +196,9 @@ class DraftChainGraphs(OneTokenGraphs):
         """Each graph reads the outputs of the captured graphs before it (never those of a
         warm-up run)."""
         for size in reversed(self.sizes):
-            self.catch_up_graphs[size], pool, _ = capture_graph(lambda: self.catch_up(size),
-                                                                pool)
             first, pool, (plan, tokens) = capture_graph(lambda: self.first_iteration(size), pool)
+            self.catching_up_graphs[size], pool, _ = capture_graph(
+                lambda: self.first_iteration_catching_up(size, (plan, tokens)), pool)
             self.graphs[size] = [first]
             for i in range(1, self.iterations):
                 graph, pool, tokens = capture_graph(
@@ -177,17 +209,18 @@ class DraftChainGraphs(OneTokenGraphs):
 
     def run(self, rows: list[ScheduledSequence], draft_counts: list[int],
             catch_ups: list[CatchUp | None]) -> torch.Tensor:
-        """Replay the catch-up when a row has one, then the first max(draft_counts)
-        iterations for these rows (each its last known token at its position); returns
+        """Replay the first max(draft_counts) iterations for these rows, the first one
+        catching up where a row has a catch-up, (each its last known token at its position); returns
         their drafts [len(rows), max(draft_counts)], valid until the next run."""
         size, width = self.size_for(len(rows)), max(draft_counts)
         sources = [None if c is None else (c[0], c[1] * self.iterations + c[2])
                    for c in catch_ups]
         self._copy_in(lambda stager: stager.write_chain(rows, draft_counts, sources, size),
                       None, size)
+        graphs = self.graphs[size][:width]
         if any(c is not None for c in catch_ups):
-            self.catch_up_graphs[size].replay()
-        for graph in self.graphs[size][:width]:
+            graphs = [self.catching_up_graphs[size], *graphs[1:]]
+        for graph in graphs:
             graph.replay()
         return self.drafts[:len(rows), :width]
 
