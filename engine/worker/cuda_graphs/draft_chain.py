@@ -132,6 +132,8 @@ class DraftChainGraphs(OneTokenGraphs):
         self.iterations, self.block_size = iterations, block_size
         self.drafts = torch.full((self.max_batch, iterations), NO_TOKEN, dtype=torch.int64,
                                  device=device)
+        # no row catches up while the graphs are captured (a row at position 0 cannot)
+        self.meta.catch_up_positions.fill_(-1)
         # the first iteration when a row catches up (first_iteration_catching_up)
         self.catching_up_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
