@@ -196,16 +196,18 @@ class DraftChainGraphs(OneTokenGraphs):
     @torch.inference_mode()
     def capture(self, pool=None):
         """Each graph reads the outputs of the captured graphs before it (never those of a
-        warm-up run)."""
+        warm-up run). The catching-up first iteration, which writes the first's outputs, is
+        captured last: its warm-up on capture-time buffers must feed no other warm-up."""
         for size in reversed(self.sizes):
-            first, pool, (plan, tokens) = capture_graph(lambda: self.first_iteration(size), pool)
-            self.catching_up_graphs[size], pool, _ = capture_graph(
-                lambda: self.first_iteration_catching_up(size, (plan, tokens)), pool)
+            first, pool, first_outputs = capture_graph(lambda: self.first_iteration(size), pool)
             self.graphs[size] = [first]
+            plan, tokens = first_outputs
             for i in range(1, self.iterations):
                 graph, pool, tokens = capture_graph(
                     lambda: self.iteration(size, i, plan, tokens), pool)
                 self.graphs[size].append(graph)
+            self.catching_up_graphs[size], pool, _ = capture_graph(
+                lambda: self.first_iteration_catching_up(size, first_outputs), pool)
         torch.cuda.synchronize()
         return pool
 
