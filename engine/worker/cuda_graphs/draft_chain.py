@@ -63,6 +63,13 @@ class ChainPlan:
                             max_seq_len=meta.max_seq_len + i, seq_lens_host=None)
         return draw(model(input_ids, self.positions[i], kv_caches, step_meta))
 
+    def settle_(self) -> None:
+        """Every iteration at position 0, writing nothing (slot -1), drafting nothing."""
+        self.positions.zero_()
+        self.slots.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.drafted.zero_()
+
     def drafts(self, tokens: torch.Tensor, i: int) -> torch.Tensor:
         """Iteration i's tokens as drafts: NO_TOKEN for rows drafting fewer."""
         return tokens.masked_fill(~self.drafted[i], NO_TOKEN)
@@ -196,13 +203,17 @@ class DraftChainGraphs(OneTokenGraphs):
     @torch.inference_mode()
     def capture(self, pool=None):
         """Each graph reads the outputs of the captured graphs before it (never those of a
-        warm-up run). The catching-up first iteration, which writes the first's outputs, is
-        captured last: its warm-up on capture-time buffers must feed no other warm-up."""
+        warm-up run). Captured outputs were never computed: their memory holds whatever the
+        pool held (another size's tokens, say), so they are set to a harmless plan and token
+        0 before the next warm-up reads them. The catching-up first iteration, which writes
+        the first's outputs, is captured last."""
         for size in reversed(self.sizes):
             first, pool, first_outputs = capture_graph(lambda: self.first_iteration(size), pool)
             self.graphs[size] = [first]
             plan, tokens = first_outputs
+            plan.settle_()
             for i in range(1, self.iterations):
+                tokens.zero_()
                 graph, pool, tokens = capture_graph(
                     lambda: self.iteration(size, i, plan, tokens), pool)
                 self.graphs[size].append(graph)
