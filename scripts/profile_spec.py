@@ -9,7 +9,9 @@ bench_spec.py --draft-model).
 Prints a timeline of a few steps (host phases, and the device's busy segments: kernels
 closer than 5 us merged) and writes profile_spec.json: per step, the wall time, the device's
 busy time, and each host phase's time (inflated by the profiler's own host cost, so a second
-run times the phases with perf_counter alone: "host_phases_ms"); and "graphs": each CUDA
+run times the phases with perf_counter alone: "host_phases_ms"), the device's idle time
+before the draft and before the verification (CUDA events, a third run: "device_gaps");
+and "graphs": each CUDA
 graph a speculative step replays (the draft's first iteration, alone and catching up, and
 one after it, the target's verification graph, the draft's follow pass over the same
 tokens, which a step of verification rows only skips) and the target's plain
@@ -105,6 +107,68 @@ def time_host_phases(bench: Bench, run) -> dict:
     for (obj, name), fn in zip(targets, originals):
         setattr(obj, name, fn)
     return {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}
+
+
+class _Marked:
+    """A graph whose replay first records a CUDA event (it completes when the device reaches
+    the graph: when the work before it is done and the host has launched it)."""
+
+    def __init__(self, graph, timeline: list, kind: str):
+        self.graph, self.timeline, self.kind = graph, timeline, kind
+
+    def replay(self) -> None:
+        _mark(self.timeline, self.kind)
+        self.graph.replay()
+
+
+def _mark(timeline: list, kind: str) -> None:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    timeline.append((kind, event))
+
+
+def device_gaps(bench: Bench, run) -> dict:
+    """Median device idle a step, in us, from CUDA events recorded as the host launches:
+    "before_draft", from the end of the last step's work to the draft's first iteration
+    (the host's wait, update, schedule and staging), and "before_verify", from the draft's
+    last iteration to the verification graph (the host late with its launch)."""
+    runner = bench.engine.core.runner
+    chain, mixed = runner.drafter.chain, runner.mixed_graphs
+    timeline: list = []
+    saved = (dict(chain.graphs), dict(chain.catching_up_graphs), dict(mixed.graphs),
+             chain.run, runner.launch)
+    for size, graphs in saved[0].items():
+        chain.graphs[size] = [_Marked(graphs[0], timeline, "draft"), *graphs[1:]]
+        chain.catching_up_graphs[size] = _Marked(saved[1][size], timeline, "draft")
+    for size, graph in saved[2].items():
+        mixed.graphs[size] = _Marked(graph, timeline, "verify")
+
+    def chain_run(*a, **kw):
+        drafts = saved[3](*a, **kw)
+        _mark(timeline, "draft end")
+        return drafts
+
+    def launch(out):
+        pending = saved[4](out)
+        _mark(timeline, "step end")
+        return pending
+
+    chain.run, runner.launch = chain_run, launch
+    run()
+    torch.cuda.synchronize()
+    chain.graphs.update(saved[0])
+    chain.catching_up_graphs.update(saved[1])
+    mixed.graphs.update(saved[2])
+    chain.run, runner.launch = saved[3], saved[4]
+    gaps: dict[str, list[float]] = {"before_draft": [], "before_verify": []}
+    after = {"draft": "step end", "verify": "draft end"}
+    last: dict[str, torch.cuda.Event] = {}
+    for kind, event in timeline:
+        if kind in after and after[kind] in last:
+            gaps[f"before_{kind}"].append(last.pop(after[kind]).elapsed_time(event) * 1e3)
+        last[kind] = event
+    return {f"{name}_us": round(statistics.median(values), 1) for name, values in gaps.items()
+            if values} | {"steps": len(gaps["before_verify"])}
 
 
 def _timed(fn, into: list[float]):
@@ -246,6 +310,10 @@ def main() -> None:
     result["host_phases_ms"] = time_host_phases(
         bench, lambda: bench.run([prompt], [reference], args.rate))
     print(json.dumps(result["host_phases_ms"], indent=1))
+    if args.device == "cuda":
+        result["device_gaps"] = device_gaps(
+            bench, lambda: bench.run([prompt], [reference], args.rate))
+        print(json.dumps(result["device_gaps"]))
     if args.cprofile:
         host_profile(lambda: bench.run([prompt], [reference], args.rate),
                      args.out / "profile_spec_host.txt")
