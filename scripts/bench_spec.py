@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -58,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--batch-rate", type=float, default=0.7)
     parser.add_argument("--batch-k", type=int, default=4)
+    parser.add_argument("--batch-repeats", type=int, default=3,
+                        help="rounds of plain, forced and switched runs per batch size")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--draft-model", help="measure this draft model (arch or path) only")
@@ -92,20 +95,28 @@ def single_stream(bench: Bench, prompt: list[int], c: float, verify_ratio: dict)
 
 
 def batches(bench: Bench, rng: random.Random) -> list:
+    """Throughput against no speculation per batch size: plain, forced (every step drafts)
+    and switched (the switch-off decides) runs in turn, --batch-repeats times; the speedups
+    are the medians of each round's ratios (one run each swung 0.75-1.10x at batch 128)."""
     args, rows = bench.args, []
+    modes = [("switch_off", False)] + ([("switch_on", True)] if bench.step_times else [])
     for batch in numbers(args.batches, int):
         prompts = [random_tokens(rng, args.prompt_len) for _ in range(batch)]
         bench.configure(0)
-        outputs, plain = bench.run(prompts)
+        outputs, _ = bench.run(prompts)
         references = [o.token_ids for o in outputs]
         tokens = sum(len(r) for r in references)
-        row = {"batch": batch, "plain_tok_s": tokens / plain}
-        for name, adaptive in (("switch_off", False), ("switch_on", True)):
-            if adaptive and bench.step_times is None:
-                continue  # no cost model off CUDA
-            bench.configure(args.batch_k, adaptive=adaptive)
-            _, seconds = bench.run(prompts, references, args.batch_rate)
-            row[f"speedup_{name}"] = plain / seconds
+        plain_seconds, ratios = [], {name: [] for name, _ in modes}
+        for _ in range(args.batch_repeats):
+            bench.configure(0)
+            plain_seconds.append(bench.run(prompts)[1])
+            for name, adaptive in modes:
+                bench.configure(args.batch_k, adaptive=adaptive)
+                ratios[name].append(plain_seconds[-1]
+                                    / bench.run(prompts, references, args.batch_rate)[1])
+        row = {"batch": batch, "plain_tok_s": tokens / statistics.median(plain_seconds),
+               **{f"speedup_{name}": statistics.median(r) for name, r in ratios.items()},
+               **{f"speedups_{name}": r for name, r in ratios.items()}}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

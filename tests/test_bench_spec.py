@@ -8,7 +8,7 @@ from bench_spec import main
 def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
     main(["--model", str(tiny_checkpoint), "--device", "cpu", "--out", str(tmp_path),
           "--rates", "0,1", "--ks", "2", "--batches", "1,2", "--batch-k", "2",
-          "--prompt-len", "16", "--output-len", "6"])
+          "--batch-repeats", "2", "--prompt-len", "16", "--output-len", "6"])
     result = json.loads((tmp_path / "spec.json").read_text())
     assert [(r["k"], r["a"]) for r in result["single_stream"]] == [(2, 0.0), (2, 1.0)]
     full, none = result["single_stream"][1], result["single_stream"][0]
@@ -17,6 +17,9 @@ def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
     assert none["a_measured"] == 0.0
     assert [r["batch"] for r in result["batches"]] == [1, 2]
     assert all(r["speedup_switch_off"] > 0 for r in result["batches"])
+    # each batch size's speedup: the median of its two rounds (no cost model on CPU: forced)
+    assert all(len(r["speedups_switch_off"]) == 2 and "speedups_switch_on" not in r
+               for r in result["batches"])
     assert result["ngram"]["k"] == 2 and result["ngram"]["speedup_mean"] > 0
     assert set(result["pipelining"]) == {"async_ms_per_token", "sync_ms_per_token"}
     # speculation left every greedy output as plain decoding had it
