@@ -11,12 +11,11 @@ closer than 5 us merged) and writes profile_spec.json: per step, the wall time, 
 busy time, and each host phase's time (inflated by the profiler's own host cost, so a second
 run times the phases with perf_counter alone: "host_phases_ms"), the device's idle time
 before the draft and before the verification (CUDA events, a third run: "device_gaps");
-and "graphs": each CUDA
-graph a speculative step replays (the draft's first iteration, alone and catching up, and
-one after it, the target's verification graph, the draft's follow pass over the same
-tokens, which a step of verification rows only skips) and the target's plain
-decode graph, replayed alone under the profiler: its kernels in order with their device
-time.
+and "graphs": each CUDA graph a speculative step replays (the draft's first iteration,
+alone and catching up, and one after it, the target's verification graph, the draft's
+follow pass over the same tokens, which a step of verification rows only skips) and the
+target's plain decode graph, replayed alone under the profiler: its kernels in order with
+their device time.
 """
 from __future__ import annotations
 

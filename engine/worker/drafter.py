@@ -126,8 +126,9 @@ class Drafter:
 
     def _eager_catch_up(self, rows: list[ScheduledSequence],
                         catch_ups: list[CatchUp | None]) -> None:
-        """The chain graphs' catch_up without graphs: the draft's forward for its KV only
-        (feed_for_kv, as the graph's), over the catching-up rows."""
+        """The catch-up without graphs (which fold it into the chain's first iteration): a
+        forward of the draft over the catching-up rows' last drafts, for KV only
+        (feed_for_kv), before the chain."""
         lagging = [(row, c) for row, c in zip(rows, catch_ups) if c is not None]
         if not lagging:
             return

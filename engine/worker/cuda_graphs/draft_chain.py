@@ -224,9 +224,9 @@ class DraftChainGraphs(OneTokenGraphs):
 
     def run(self, rows: list[ScheduledSequence], draft_counts: list[int],
             catch_ups: list[CatchUp | None]) -> torch.Tensor:
-        """Replay the first max(draft_counts) iterations for these rows, the first one
-        catching up where a row has a catch-up, (each its last known token at its position); returns
-        their drafts [len(rows), max(draft_counts)], valid until the next run."""
+        """Replay the first max(draft_counts) iterations for these rows (each its last known
+        token at its position), the first one catching up if any row has a catch-up;
+        returns their drafts [len(rows), max(draft_counts)], valid until the next run."""
         size, width = self.size_for(len(rows)), max(draft_counts)
         sources = [None if c is None else (c[0], c[1] * self.iterations + c[2])
                    for c in catch_ups]
