@@ -134,31 +134,31 @@ def device_gaps(bench: Bench, run) -> dict:
     runner = bench.engine.core.runner
     chain, mixed = runner.drafter.chain, runner.mixed_graphs
     timeline: list = []
-    saved = (dict(chain.graphs), dict(chain.catching_up_graphs), dict(mixed.graphs),
-             chain.run, runner.launch)
-    for size, graphs in saved[0].items():
+    draft_graphs, catching_up = dict(chain.graphs), dict(chain.catching_up_graphs)
+    verify_graphs, chain_run, launch = dict(mixed.graphs), chain.run, runner.launch
+    for size, graphs in draft_graphs.items():
         chain.graphs[size] = [_Marked(graphs[0], timeline, "draft"), *graphs[1:]]
-        chain.catching_up_graphs[size] = _Marked(saved[1][size], timeline, "draft")
-    for size, graph in saved[2].items():
+        chain.catching_up_graphs[size] = _Marked(catching_up[size], timeline, "draft")
+    for size, graph in verify_graphs.items():
         mixed.graphs[size] = _Marked(graph, timeline, "verify")
 
-    def chain_run(*a, **kw):
-        drafts = saved[3](*a, **kw)
+    def marked_chain_run(*a, **kw):
+        drafts = chain_run(*a, **kw)
         _mark(timeline, "draft end")
         return drafts
 
-    def launch(out):
-        pending = saved[4](out)
+    def marked_launch(out):
+        pending = launch(out)
         _mark(timeline, "step end")
         return pending
 
-    chain.run, runner.launch = chain_run, launch
+    chain.run, runner.launch = marked_chain_run, marked_launch
     run()
     torch.cuda.synchronize()
-    chain.graphs.update(saved[0])
-    chain.catching_up_graphs.update(saved[1])
-    mixed.graphs.update(saved[2])
-    chain.run, runner.launch = saved[3], saved[4]
+    chain.graphs.update(draft_graphs)
+    chain.catching_up_graphs.update(catching_up)
+    mixed.graphs.update(verify_graphs)
+    chain.run, runner.launch = chain_run, launch
     gaps: dict[str, list[float]] = {"before_draft": [], "before_verify": []}
     after = {"draft": "step end", "verify": "draft end"}
     last: dict[str, torch.cuda.Event] = {}

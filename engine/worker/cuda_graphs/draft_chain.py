@@ -153,9 +153,7 @@ class DraftChainGraphs(OneTokenGraphs):
         (padding token rows at the end). Its plan and tokens are also copied into `first`
         (the plain first iteration's captured outputs, which the iterations after it read)."""
         m, n = self.meta, 2 * size  # n: the token rows' capacity, index n a trash entry
-        own_tokens, positions = self._inputs(size)
-        plan = ChainPlan.of(positions, m.block_tables[:size], m.draft_counts[:size],
-                            self.iterations, self.block_size)
+        own_tokens, positions, plan = self._planned_inputs(size)
         catching_up = m.catch_up_positions[:size] >= 0
         own_rows = torch.arange(size, device=positions.device) + catching_up.cumsum(0)
         catch_up_rows = torch.where(catching_up, own_rows - 1, n)
@@ -184,12 +182,18 @@ class DraftChainGraphs(OneTokenGraphs):
             first[1].copy_(tokens)
         return plan, tokens
 
-    def first_iteration(self, size: int) -> tuple[ChainPlan, torch.Tensor]:
-        """Plan every iteration of the first `size` rows, run the first: the plan and its
-        tokens."""
+    def _planned_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, ChainPlan]:
+        """The first `size` rows' staged input ids and positions, and every iteration's
+        plan for them."""
         input_ids, positions = self._inputs(size)
         plan = ChainPlan.of(positions, self.meta.block_tables[:size],
                             self.meta.draft_counts[:size], self.iterations, self.block_size)
+        return input_ids, positions, plan
+
+    def first_iteration(self, size: int) -> tuple[ChainPlan, torch.Tensor]:
+        """Plan every iteration of the first `size` rows, run the first: the plan and its
+        tokens."""
+        input_ids, _, plan = self._planned_inputs(size)
         return plan, self.iteration(size, 0, plan, input_ids)
 
     def iteration(self, size: int, i: int, plan: ChainPlan,
