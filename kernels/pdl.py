@@ -19,8 +19,12 @@ a kernel finishes only after its predecessor has, and a normally launched kernel
 torch) after it still sees everything before it. CUDA-graph capture keeps these edges
 (programmatic dependencies in the graph).
 
-Set GPT2_SERVE_PDL=0 to launch normally (for A/B timings); off on the CPU interpreter and on
-GPUs before Hopper.
+A weight-streaming kernel may also ask L2 for its weights between the two (its weights are
+no kernel's output), so they arrive while the kernel before it still runs:
+`pdl_prologue_prefetching`.
+
+Set GPT2_SERVE_PDL=0 to launch normally, GPT2_SERVE_PREFETCH=0 to keep PDL but drop the
+prefetch (for A/B timings); both are off on the CPU interpreter and on GPUs before Hopper.
 """
 from __future__ import annotations
 
@@ -48,6 +52,11 @@ def _pdl_supported(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def weight_prefetch_enabled(device: torch.device) -> bool:
+    """Whether `pdl_prologue_prefetching` should prefetch (read at each launch, like PDL)."""
+    return pdl_enabled(device) and os.environ.get("GPT2_SERVE_PREFETCH", "1") != "0"
+
+
 def pdl_options(device: torch.device) -> dict:
     """Launch keywords for a kernel taking a `USE_PDL: tl.constexpr` parameter."""
     if pdl_enabled(device):
@@ -58,11 +67,37 @@ def pdl_options(device: torch.device) -> dict:
 @triton.jit
 def pdl_prologue(USE_PDL: tl.constexpr):
     """The first statement of every kernel here: let the next kernel launch, then block until
-    the kernel before this one has finished and its writes are visible. Own asm, marked
-    impure: triton 3.6's gdc_launch_dependents is a pure op whose unused result the compiler
-    may drop, leaving only the implicit trigger at program exit."""
+    the kernel before this one has finished and its writes are visible."""
+    _launch_dependents(USE_PDL)
+    _wait_for_previous(USE_PDL)
+
+
+@triton.jit
+def pdl_prologue_prefetching(USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, row_ptrs,
+                             row_bytes):
+    """pdl_prologue, and in between (if PREFETCH) one bulk L2 prefetch of row_bytes from each
+    of row_ptrs: read-only data (weights), 16-byte aligned, row_bytes a multiple of 16. A
+    decode step's skinny GEMM waits ~2 us for the kernel before it; its 1-5 MB of weights
+    stream meanwhile instead of after (docs/kernels.md)."""
+    _launch_dependents(USE_PDL)
+    if PREFETCH:
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
+                                  "=r,l,r", [row_ptrs.to(tl.int64), row_bytes], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    _wait_for_previous(USE_PDL)
+
+
+@triton.jit
+def _launch_dependents(USE_PDL: tl.constexpr):
+    """Own asm, marked impure: triton 3.6's gdc_launch_dependents is a pure op whose unused
+    result the compiler may drop, leaving only the implicit trigger at program exit."""
     if USE_PDL:
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait_for_previous(USE_PDL: tl.constexpr):
+    if USE_PDL:
         tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [],
                                   dtype=tl.int32, is_pure=False, pack=1)

@@ -39,7 +39,7 @@ import triton.language as tl
 from kernels.arrival_counters import arrive_last, counters_for, reset_counter
 from kernels.device_info import num_sms
 from kernels.gelu import gelu_tanh
-from kernels.pdl import pdl_options, pdl_prologue
+from kernels.pdl import pdl_options, pdl_prologue_prefetching, weight_prefetch_enabled
 
 MAX_M = 16
 PROGRAMS_PER_SM = 2
@@ -170,12 +170,29 @@ def _column(acc, cols, c):
 
 
 @triton.jit
+def _block_rows(w_ptr, N, k_per_split, stride_wn, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] starts of this program's rows of W in its K range (rows past N clamped to
+    the last): what it prefetches before the PDL wait."""
+    rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+    return w_ptr + rows.to(tl.int64) * stride_wn + tl.program_id(1) * k_per_split
+
+
+@triton.jit
+def _block_row_bytes(w_ptr, K, k_per_split):
+    k_lo = tl.program_id(1) * k_per_split
+    return tl.minimum(K - k_lo, k_per_split) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, stats_ptr, counter_ptr,
                    res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, eps, M, N, K, k_per_split,
                    stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                    NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+                   PREFETCH: tl.constexpr):
+    pdl_prologue_prefetching(USE_PDL, PREFETCH,
+                             _block_rows(w_ptr, N, k_per_split, stride_wn, BLOCK_N),
+                             _block_row_bytes(w_ptr, K, k_per_split))
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -276,8 +293,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ge
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
         NORM=norm is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_options(x.device))
+        PREFETCH=_prefetchable(weight), **pdl_options(x.device))
     return out, summed
+
+
+def _prefetchable(weight: torch.Tensor) -> bool:
+    """The bulk prefetch needs 16-byte aligned rows (K % 16 == 0 makes every K range a
+    multiple of 16 bytes)."""
+    return (weight_prefetch_enabled(weight.device) and weight.data_ptr() % 16 == 0
+            and weight.stride(0) * weight.element_size() % 16 == 0)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
