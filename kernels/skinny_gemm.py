@@ -43,6 +43,7 @@ from kernels.pdl import pdl_options, pdl_prologue_prefetching, weight_prefetch_e
 
 MAX_M = 16
 PROGRAMS_PER_SM = 2
+PREFETCH_MAX_BYTES = 5 << 20  # see _prefetchable
 
 
 class TileConfig(NamedTuple):
@@ -298,10 +299,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ge
 
 
 def _prefetchable(weight: torch.Tensor) -> bool:
-    """The bulk prefetch needs 16-byte aligned rows (K % 16 == 0 makes every K range a
-    multiple of 16 bytes)."""
-    return (weight_prefetch_enabled(weight.device) and weight.data_ptr() % 16 == 0
-            and weight.stride(0) * weight.element_size() % 16 == 0)
+    """Prefetch W where the launch is latency-bound (gpt2's linears, <= 4.7 MB: their
+    iteration -5 % on an H100), not where it streams at bandwidth (XL's, 5-20 MB: its decode
+    step +5 %, the prefetch contending with the kernel before it; docs/kernels.md). The bulk
+    prefetch needs 16-byte aligned rows (K % 16 == 0 makes every K range a multiple of 16
+    bytes)."""
+    return (weight_prefetch_enabled(weight.device)
+            and weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES
+            and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -78,6 +78,8 @@ def test_draft_model_chain_graphs_equal_eager(tiny_checkpoint, draft_tokens):
         if spec:
             stats = llm.engine.core.speculator.stats
             assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+            # the graphs drafted ahead once the batch was all verification
+            assert (llm.engine.runner.drafter.num_taken_ahead > 0) == (not eager)
     assert results[0] == results[1] == results[2]
 
 

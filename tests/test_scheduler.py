@@ -262,3 +262,30 @@ def test_fit_rule_states_the_numbers():
         check_fits(600, 41, max_model_len=1024, pool_tokens=640)
     with pytest.raises(ValueError, match="prompt is empty"):
         check_fits(0, 1, max_model_len=1024, pool_tokens=640)
+
+
+@pytest.mark.parametrize("num_blocks", [8, 3], ids=["lookahead", "no-room"])
+def test_a_draft_model_request_keeps_k_positions_of_lookahead(num_blocks):
+    """With a draft model, a verifying request's table covers k positions past its tokens
+    (the draft writes there when it drafts the next step ahead), kept through the shrink
+    after the verification; where the pool has no room for them, the step runs without
+    them and nothing is preempted."""
+    from engine.spec.draft_slots import DraftSlots
+    from engine.spec.speculator import Speculator
+
+    bm = BlockManager(num_blocks, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64,
+                                      max_model_len=1024), bm,
+                      speculator=Speculator(DraftSlots(), 4, 1024, lookahead=4))
+    add(sched, "a", list(range(6)), 6)
+    prefill = sched.schedule()
+    sched.update(prefill, RunnerOutput(["a"], [6], [None]))
+    verification = sched.schedule()  # t6 @6 and 4 draft slots: positions 6..10
+    (seq,) = verification.sequences
+    assert seq.num_drafts == 4 and not sched.num_preemptions
+    room = num_blocks * 4 >= 15
+    assert len(bm.block_ids("a")) == (4 if room else 3)  # 11 tokens, + 4 of lookahead
+    sched.update(verification, RunnerOutput(["a"], [9], [None], [[7]]))  # 1 accepted
+    assert sched.running[0].num_computed_tokens == 8
+    assert len(bm.block_ids("a")) == 3  # 8 computed + 4 of lookahead, or cut to the 3 held
+    bm.check_invariants()

@@ -181,36 +181,67 @@ def test_the_target_reads_the_drafts_from_the_device(tiny_checkpoint):
         assert input_ids[-seq.num_drafts:] == row[:seq.num_drafts]
 
 
-@pytest.mark.parametrize("chain_graphs", [False, True], ids=["eager", "chain-graphs"])
-def test_the_draft_has_kv_wherever_the_target_has(tiny_checkpoint, monkeypatch, chain_graphs):
+@pytest.mark.parametrize("chain", ["eager", "graphs", "graphs-ahead", "graphs-ahead-rejecting",
+                                   "graphs-ahead-sampled"])
+def test_the_draft_has_kv_wherever_the_target_has(tiny_checkpoint, monkeypatch, chain):
     """Steps whose every sequence verifies drafts skip the draft's follow pass; the next fill
     feeds a request that accepted every draft its last one (eagerly, or by the chain graphs'
-    catch-up, replayed eagerly on CPU). Drafting with the target's own weights, the draft's
-    KV equals the target's at every position the request computed."""
+    catch-up, replayed eagerly on CPU), or with the graphs drafting ahead, the next step's
+    first iteration queued after the verification does, from the row it advanced on the
+    device to the next known token. Drafting greedily with the target's own weights, every
+    draft is accepted; "rejecting" corrupts fill i's draft i % (K + 1) - 1, so steps accept
+    1, 2, ..., K drafts in turn; "sampled" has the target sample (none accepted, tokens that
+    differ). Whatever was accepted, the draft's KV equals the target's at every position the
+    request computed."""
     engine = make_llm(tiny_checkpoint, speculative_config=draft_config(tiny_checkpoint)).engine
     runner, drafter = engine.runner, engine.runner.drafter
     draft_runner = drafter.runner
-    if chain_graphs:
+    if chain != "eager":
         monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
         drafter.chain = DraftChainGraphs(
             draft_runner.model, draft_runner.kv_caches, 4, draft_runner.max_blocks_per_seq,
             draft_runner.block_size, 1024, draft_runner.device, K)
         replay_eagerly(drafter.chain)
-    catch_ups = []
-    find_catch_ups = drafter._catch_ups
+    if chain == "graphs":
+        monkeypatch.setattr(drafter, "draft_ahead", lambda *args: None)
+    catch_ups, fills = [], []
+    find_catch_ups, fill = drafter._catch_ups, drafter.fill
 
-    def recording(seqs):
+    def recording(seqs):  # called once a fill
         found = find_catch_ups(seqs)
         catch_ups.extend(c for c in found if c)
+        fills.append(seqs)
         return found
 
-    drafter._catch_ups = recording
-    engine.add_request("a", list(range(10)), SamplingParams(temperature=0.0, max_tokens=60,
-                                                           ignore_eos=True))
+    def checking(seqs, *rest):
+        taken = drafter.num_taken_ahead
+        drafts = fill(seqs, *rest).clone()
+        if drafter.num_taken_ahead > taken:  # drafted from the row advanced on the device
+            (seq,) = seqs
+            assert drafter.chain.tokens.positions[0] == seq.start_position
+            assert drafter.chain.tokens.token_ids[0] == seq.token_ids[0]
+        column = len(fills) % (K + 1) - 1
+        if chain == "graphs-ahead-rejecting" and column >= 0:
+            drafts[:, column] = (drafts[:, column] + 1) % 50257
+        return drafts
+
+    drafter._catch_ups, drafter.fill = recording, checking
+    sampled = chain == "graphs-ahead-sampled"
+    engine.add_request("a", list(range(10)), SamplingParams(
+        temperature=1.0 if sampled else 0.0, seed=3, max_tokens=60, ignore_eos=True))
     for _ in range(12):
         engine.step()
     (request,) = engine.core.scheduler.running
-    assert catch_ups and request.num_computed_tokens > 30
+    assert request.num_computed_tokens >= (20 if sampled else 30)
+    stats = engine.core.speculator.stats
+    if chain == "graphs-ahead-rejecting":
+        assert 0 < stats.num_accepted_tokens_per_pos[K - 1] < stats.num_drafts
+    elif not sampled:
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    if chain.startswith("graphs-ahead"):  # every fill after the first took the drafts made ahead
+        assert drafter.num_taken_ahead == len(fills) - 1 > 5 and not catch_ups
+    else:
+        assert catch_ups and drafter.num_taken_ahead == 0
     blocks = engine.core.block_manager.block_ids(request.request_id)
     positions = torch.arange(request.num_computed_tokens)
     block_size = runner.block_size

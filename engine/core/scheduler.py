@@ -33,6 +33,10 @@ drafts, scheduled as extra tokens after its last one, and the runner samples at 
     runner: 2 accepted, then x                        appended: d1, d2, x  (22 tokens)
     update: 19 + 1 + 2 computed; the blocks past the computed tokens are released (shrink)
 
+With a draft model the request's table also covers k positions past its tokens (the
+speculator's lookahead, never bought by preemption), which the draft may write before the
+next schedule: it drafts step N+1 on the device right after step N's verification.
+
 How many drafts a step accepts is known only after it, so a request that may speculate
 never runs ahead (it waits for its pending token instead), and EngineCore applies a step
 that samples for such a request (`apply_before_next`) before scheduling the next; otherwise
@@ -202,7 +206,9 @@ class Scheduler:
             drafts = self._drafts(request, computed, num_new, budget)
             num_new += len(drafts)
             total = computed + num_new
-            while not self.block_manager.grow(request.request_id, total):
+            # the lookahead only if blocks are free: no request is preempted for it
+            while not (drafts and self._grow_with_lookahead(request, total)
+                       or self.block_manager.grow(request.request_id, total)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -213,6 +219,14 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget
+
+    def _grow_with_lookahead(self, request: Request, num_tokens: int) -> bool:
+        return self.block_manager.grow(request.request_id, self._with_lookahead(num_tokens))
+
+    def _with_lookahead(self, num_tokens: int) -> int:
+        """A speculating request's table covers the speculator's lookahead past its tokens
+        (within the context length), where the draft model may draft the next step ahead."""
+        return min(num_tokens + self.speculator.lookahead, self.config.max_model_len)
 
     def _drafts(self, request: Request, computed: int, num_new: int, budget: int) -> list[int]:
         """Drafts for a request decoding its last known token, if it may speculate."""
@@ -320,7 +334,8 @@ class Scheduler:
                 return  # finished: its blocks are freed, later tokens dropped
         if request.num_computed_tokens % self.block_manager.block_size < gained:
             self._cache_full_blocks(request)  # after the appends: a block's tokens are known
-        self.block_manager.shrink(request.request_id, request.num_computed_tokens)
+        self.block_manager.shrink(request.request_id,
+                                  self._with_lookahead(request.num_computed_tokens))
 
     def _cache_full_blocks(self, request: Request) -> None:
         """Offer newly filled blocks to the prefix cache. Called only when a block boundary

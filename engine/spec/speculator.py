@@ -19,12 +19,16 @@ from engine.spec.switch import SpeculationSwitch
 
 class Speculator:
     def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int,
-                 switch: SpeculationSwitch | None = None) -> None:
-        """`switch` None: every step drafts up to num_speculative_tokens."""
+                 switch: SpeculationSwitch | None = None, lookahead: int = 0) -> None:
+        """`switch` None: every step drafts up to num_speculative_tokens. `lookahead`: the
+        positions past a verification whose blocks a speculating request keeps, for a
+        draft model that drafts the next step before the scheduler has seen this one's
+        result (engine/worker/drafter.py, `Drafter.draft_ahead`)."""
         self.proposer = proposer
         self.max_k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.switch = switch
+        self.lookahead = lookahead
         self.stats = SpecDecodingStats(num_speculative_tokens)
         self.k = num_speculative_tokens if switch is None else 0  # this step's draft length
 
@@ -59,16 +63,17 @@ class Speculator:
 
 def build_speculator(config: EngineConfig, runner) -> Speculator | None:
     """The speculator config.speculative asks for (None: off): the n-gram proposer, or draft
-    slots that the runner's draft model fills in (`runner.drafter`, loaded with the runner).
+    slots that the runner's draft model fills in (`runner.drafter`, loaded with the runner),
+    with k positions of lookahead for it to draft the next step into.
     The switch-off decides per step where the runner measured step times
     (`runner.measure_spec_step_times()`: on CUDA), else every step speculates."""
     spec = config.speculative
     if spec is None:
         return None
     if spec.method == "ngram":
-        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        proposer, lookahead = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max), 0
     else:
-        proposer = DraftSlots()
+        proposer, lookahead = DraftSlots(), spec.num_speculative_tokens
     times = runner.measure_spec_step_times()
     return Speculator(proposer, spec.num_speculative_tokens, config.scheduler.max_model_len,
-                      None if times is None else SpeculationSwitch(times))
+                      None if times is None else SpeculationSwitch(times), lookahead)

@@ -13,6 +13,11 @@ block manager stays the one owner of blocks.
                       graph per iteration on CUDA); their tokens, a device tensor, fill the
                       step's UNFILLED_DRAFT slots there (ModelRunner._draft_writer) and are
                       judged there, so the host never waits for a draft
+    after a step      draft_ahead(): with chain graphs, the next step's iterations queued
+    that verifies     right behind the verification, from its accepted counts on the device
+    every sequence    (run_ahead), while the host waits, updates and schedules; the next
+                      fill takes those drafts if the step is the one drafted for (the same
+                      sequences and draft counts), else drafts anew
 
 So the draft has KV for every token the target has KV for (prefix-cache hits included: a
 cached block was computed with the draft following), and a rejected draft's slots are
@@ -37,6 +42,8 @@ from engine.worker.cuda_graphs.draft_chain import (CatchUp, DraftChainGraphs, fe
                                                    greedy_chain)
 from engine.worker.inputs import StepInputs, prepare_host_inputs, to_device, upload
 from engine.worker.models.gpt2 import GPT2Config, find_checkpoint
+from engine.worker.sampler import SamplerOutput
+from engine.worker.spec_verify import NO_TOKEN
 
 log = logging.getLogger(__name__)
 GREEDY = SamplingParams(temperature=0.0)
@@ -75,6 +82,9 @@ class Drafter:
         # row and column in the fill's drafts (see _catch_ups); without graphs, those drafts
         self._unfollowed: dict[str, CatchUp] = {}
         self._last_drafts: torch.Tensor | None = None
+        # (request id, draft count) of each row that draft_ahead drafted for, in order
+        self._drafted_ahead: list[tuple[str, int]] | None = None
+        self.num_taken_ahead = 0  # fills that took the drafts made ahead
 
     def _capture_chain(self, max_drafts: int) -> DraftChainGraphs:
         runner, sched, start = self.runner, self.runner.config.scheduler, time.perf_counter()
@@ -99,7 +109,11 @@ class Drafter:
         width = max(s.num_drafts for s in seqs)
         rows, counts = [_chain_row(s) for s in seqs], [s.num_drafts for s in seqs]
         catch_ups = self._catch_ups(seqs)
-        if self.chain is not None:
+        drafted_ahead, self._drafted_ahead = self._drafted_ahead, None
+        if skips_follow and drafted_ahead == [(s.request_id, s.num_drafts) for s in seqs]:
+            drafts = self.chain.drafts[:len(seqs), :width]
+            self.num_taken_ahead += 1
+        elif self.chain is not None:
             drafts = self.chain.run(rows, counts, catch_ups)
         else:
             self._eager_catch_up(rows, catch_ups)
@@ -108,6 +122,23 @@ class Drafter:
                                            s.num_drafts - 1)
                             for row, s in enumerate(seqs) if s.num_drafts and skips_follow}
         return drafts
+
+    def draft_ahead(self, seqs: list[ScheduledSequence], verified: SamplerOutput) -> None:
+        """After a step that verified drafts of every sequence (`seqs`, this fill's), without
+        the follow pass: queue the next step's drafts on the device (run_ahead) from the
+        verification's tokens (`verified`, not yet on the host). Only with chain graphs and
+        where each table covers the row's lookahead (the scheduler's, k past the drafts)."""
+        size = self.runner.block_size
+        if self.chain is None or not all(
+                s.num_drafts and len(s.block_ids) * size > s.start_position + 2 * s.num_drafts
+                for s in seqs):
+            return
+        # a row: its accepted drafts, its sampled token, then NO_TOKEN
+        num_accepted = (verified.verified_token_ids != NO_TOKEN).sum(1) - 1
+        self.chain.run_ahead([_chain_row(s) for s in seqs], [s.num_drafts for s in seqs],
+                             num_accepted, verified.token_ids)
+        self._drafted_ahead = [(s.request_id, s.num_drafts) for s in seqs]
+        self._unfollowed = {}  # run_ahead caught up every row that accepted all its drafts
 
     def _catch_ups(self, seqs: list[ScheduledSequence]) -> list[CatchUp | None]:
         """A verification step without the follow pass leaves the draft without KV at each

@@ -155,7 +155,8 @@ class ModelRunner:
         """Queue the step on the device and start copying its tokens back; returns at once.
         Placeholder tokens are read from step `out.step_id - 1`'s sampled tokens on the device,
         the step launched just before. A step with drafts from the draft model queues the
-        draft's iterations first (Drafter.fill)."""
+        draft's iterations first (Drafter.fill); one that verifies every sequence's drafts
+        queues the next step's after it (Drafter.draft_ahead)."""
         return self.launch_on(out, self.kv_caches)
 
     @torch.inference_mode()
@@ -177,6 +178,8 @@ class ModelRunner:
         if drafts is not None:
             sampled = verify_drafts(sampled, to_sample, drafts)
         sampled.begin_host_copy()
+        if drafts is not None and not follow:  # after the copies: the host waits for those only
+            self.drafter.draft_ahead(to_sample, sampled)
         self._last_step = LaunchedStep(out.step_id, sampled.token_ids)
         return PendingStep([s.request_id for s in to_sample], sampled)
 

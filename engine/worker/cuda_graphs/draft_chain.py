@@ -13,6 +13,10 @@ A row with d < k drafts repeats its last position in the later iterations withou
 iteration's positions, slots and lengths are computed on the device before the first
 (`ChainPlan`), from the rows' positions, block tables and draft counts.
 
+After a verification step, the next step's run can be queued at once, its inputs advanced
+on the device from what the verification accepted (`run_ahead`), so the device goes from
+the verification to the next drafts without waiting for the host.
+
 One graph per iteration rather than one for the chain: a graph launch costs the host time
 in proportion to its kernels, and the device starts on the first iteration while the host
 launches the next.
@@ -232,16 +236,47 @@ class DraftChainGraphs(OneTokenGraphs):
         token at its position), the first one catching up if any row has a catch-up;
         returns their drafts [len(rows), max(draft_counts)], valid until the next run."""
         size, width = self.size_for(len(rows)), max(draft_counts)
-        sources = [None if c is None else (c[0], c[1] * self.iterations + c[2])
-                   for c in catch_ups]
-        self._copy_in(lambda stager: stager.write_chain(rows, draft_counts, sources, size),
-                      None, size)
+        self._stage(rows, draft_counts, catch_ups, size)
         graphs = self.graphs[size][:width]
         if any(c is not None for c in catch_ups):
             graphs = [self.catching_up_graphs[size], *graphs[1:]]
         for graph in graphs:
             graph.replay()
         return self.drafts[:len(rows), :width]
+
+
+    def run_ahead(self, rows: list[ScheduledSequence], draft_counts: list[int],
+                  num_accepted: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Queue the run after `rows`' (as run() got them) behind the verification of its
+        drafts, its inputs advanced on the device from what the verification accepted
+        (`num_accepted` and the `sampled` token, per row): each row feeds its sampled token
+        at the position after its last accepted draft, and a row that accepted all its
+        drafts catches up on the last one (whose KV no iteration wrote). The rows' draft
+        counts and block tables stay, so the caller checks that the next step is the one
+        drafted for, and the tables must cover each row's position + 2 x its draft count.
+
+            rows       feed t @q, d1 @q+1, ..., dk-1 @q+k-1      drew d1..dk
+            verified   A drafts accepted, then s                   next known token s @q+A+1
+            this run   feeds s @q+A+1 (and dk @q+k if A = k)      writes KV up to q+A+k"""
+        size, width, t, m = self.size_for(len(rows)), max(draft_counts), self.tokens, self.meta
+        self._stage(rows, draft_counts, [None] * len(rows), size)
+        rows = len(rows)
+        counts, positions = m.draft_counts[:rows].long(), t.positions[:rows]
+        m.catch_up_positions[:rows] = torch.where(num_accepted == counts, positions + counts, -1)
+        m.catch_up_sources[:rows] = (torch.arange(rows, device=counts.device) * self.iterations
+                                     + counts - 1)
+        positions += num_accepted + 1
+        t.token_ids[:rows] = sampled
+        m.seq_lens[:rows] = positions + 1
+        for graph in [self.catching_up_graphs[size], *self.graphs[size][1:width]]:
+            graph.replay()
+
+    def _stage(self, rows: list[ScheduledSequence], draft_counts: list[int],
+               catch_ups: list[CatchUp | None], size: int) -> None:
+        sources = [None if c is None else (c[0], c[1] * self.iterations + c[2])
+                   for c in catch_ups]
+        self._copy_in(lambda stager: stager.write_chain(rows, draft_counts, sources, size),
+                      None, size)
 
 
 class DraftChainStager(DecodeStager):
