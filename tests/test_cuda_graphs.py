@@ -26,13 +26,15 @@ def test_capture_sizes_cover_every_batch():
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
 
 
-def test_the_linear_table_covers_the_smallest_mixed_graph():
-    """A one-stream verification runs in the 16-token mixed graph: its linears at M = 16
-    must be in the skinny table even when no decode graph has 16 rows."""
-    config = EngineConfig.from_flat(max_num_seqs=4)
-    assert graph_row_counts(config) == [1, 2, 4, MIN_MIXED_TOKENS]
+def test_the_linear_table_covers_every_graphs_rows():
+    """A one-stream verification runs in a small mixed graph, a draft's catching-up
+    iteration at two rows a sequence: their linears must be in the skinny table even when
+    no decode graph has that many rows."""
+    config = EngineConfig.from_flat(max_num_seqs=1, max_num_batched_tokens=64)
+    assert MIN_MIXED_TOKENS == 4
+    assert graph_row_counts(config) == [1, 2, 4, 8, 16, 32, 64]
     eager_mixed = EngineConfig.from_flat(max_num_seqs=4, mixed_step_graphs=False)
-    assert graph_row_counts(eager_mixed) == [1, 2, 4]
+    assert graph_row_counts(eager_mixed) == [1, 2, 4, 8]
     assert capture_sizes(30)[-1] == 30
 
 
@@ -128,9 +130,10 @@ def replay_eagerly(graphs) -> None:
 
 
 def test_mixed_capture_sizes():
-    assert mixed_capture_sizes(4096) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-    assert mixed_capture_sizes(100) == [16, 32, 64, 100]
-    assert mixed_capture_sizes(7) == [16]
+    assert mixed_capture_sizes(4096) == [4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert mixed_capture_sizes(100) == [4, 8, 16, 32, 64, 100]
+    assert mixed_capture_sizes(7) == [4, 7]
+    assert mixed_capture_sizes(3) == [4]
 
 
 GREEDY = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]

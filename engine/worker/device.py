@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.config import EngineConfig
-from engine.worker.cuda_graphs import MIN_MIXED_TOKENS, capture_sizes
+from engine.worker.cuda_graphs import capture_sizes, mixed_capture_sizes
 from engine.worker.layers import TORCH_OPS, LinearShape, Ops
 from engine.worker.startup import StartupCache
 
@@ -52,9 +52,12 @@ def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig
 
 
 def graph_row_counts(config: EngineConfig) -> list[int]:
-    """The decode graphs' batch sizes, and the smallest mixed-step graph's token count (a
-    one-stream speculative verification runs there)."""
-    sizes = set(capture_sizes(config.scheduler.max_num_seqs))
+    """The row counts that graphs run the linears at: the decode graphs' batch sizes, twice
+    each (a draft model's catching-up iteration, two tokens a sequence), and the mixed-step
+    graphs' token counts (a one-stream speculative verification runs in the smallest).
+    The skinny table measures those up to its largest M."""
+    decode_sizes = capture_sizes(config.scheduler.max_num_seqs)
+    sizes = {*decode_sizes, *(2 * size for size in decode_sizes)}
     if config.model.mixed_step_graphs:
-        sizes.add(MIN_MIXED_TOKENS)
+        sizes.update(mixed_capture_sizes(config.scheduler.max_num_batched_tokens))
     return sorted(sizes)

@@ -10,7 +10,10 @@ import torch
 from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 
-MIN_MIXED_TOKENS = 16  # the smallest mixed-step graph (tl.dot tiles need 16 rows)
+# the smallest mixed-step graph: a one-stream verification of k = 2 (3 tokens); its padding
+# costs more than the graph's rows (the linears' tiles hold 16 rows, but their fused
+# LayerNorm takes two more: M = 16 doubles the skinny GEMM's tile, M = 8 does not)
+MIN_MIXED_TOKENS = 4
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -22,8 +25,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Mixed-step token counts: powers of two from 16, then the token budget itself."""
-    sizes = [1 << p for p in range(4, max_num_batched_tokens.bit_length())
+    """Mixed-step token counts: powers of two from MIN_MIXED_TOKENS, then the token budget
+    itself."""
+    sizes = [1 << p for p in range(MIN_MIXED_TOKENS.bit_length() - 1,
+                                   max_num_batched_tokens.bit_length())
              if 1 << p < max_num_batched_tokens]
     return sizes + [max(max_num_batched_tokens, MIN_MIXED_TOKENS)]
 
