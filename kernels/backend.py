@@ -11,6 +11,7 @@ import torch
 from engine.worker.attention import AttentionMetadata
 from engine.worker.layers import LinearShape, Ops
 from engine.worker.startup import StartupCache, device_key, source_hash
+from kernels.draft_chain_start import draft_chain_start
 from kernels.layernorm import add_layer_norm, layer_norm
 from kernels.linear import LinearDispatch, SkinnyWins, measure_skinny_wins
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
@@ -25,7 +26,8 @@ def triton_ops(skinny_wins: SkinnyWins | None = None) -> Ops:
     in the tile config that won (none: cuBLAS for every linear)."""
     linear = LinearDispatch(skinny_wins)
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
-               add_norm_linear=linear.add_norm_linear, sample=row_sample)
+               add_norm_linear=linear.add_norm_linear, sample=row_sample,
+               chain_start=draft_chain_start)
 
 
 def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],

@@ -236,6 +236,7 @@ def profile_graphs(plain: Bench, bench: Bench, k: int) -> dict:
                 graph_kernels(target.mixed_graphs.follow_graphs[verify_size]),
             "draft_chain_1_first_catching_up":
                 graph_kernels(drafter.chain.catching_up_graphs[1]),
+            "draft_chain_1_first_ahead": graph_kernels(drafter.chain.ahead_graphs[1]),
             "draft_chain_1_first": graph_kernels(drafter.chain.graphs[1][0]),
             "draft_chain_1_next": graph_kernels(drafter.chain.graphs[1][1])}
 

@@ -14,7 +14,7 @@ from engine.worker.cuda_graphs import (MIN_MIXED_TOKENS, DecodeGraphs, DecodeSta
                                        MixedGraphs, MixedStager, capture_sizes,
                                        decode_meta_layout, mixed_capture_sizes, mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
-from engine.worker.cuda_graphs.draft_chain import DraftChainGraphs
+from engine.worker.cuda_graphs.draft_chain import ChainPlan, DraftChainGraphs
 from engine.worker.device import graph_row_counts
 from engine.spec.oracle import OracleProposer
 from engine.worker.inputs import prepare_host_inputs
@@ -100,6 +100,7 @@ class _EagerChain:
         self.chain, self.size = chain, size
         self.iterations = [_EagerReplay(partial(self.run, i)) for i in range(chain.iterations)]
         self.catching_up = _EagerReplay(self.run_catching_up)
+        self.ahead = _EagerReplay(self.run_ahead)
 
     def run(self, i: int) -> None:
         if i == 0:
@@ -109,6 +110,14 @@ class _EagerChain:
 
     def run_catching_up(self) -> None:
         self.plan, self.tokens = self.chain.first_iteration_catching_up(self.size)
+
+    def run_ahead(self) -> None:
+        """Into fresh outputs, where the graph writes the plain first iteration's."""
+        shape = (self.chain.iterations, self.size)
+        self.plan = ChainPlan(*(torch.zeros(shape, dtype=dtype) for dtype in
+                                (torch.int64, torch.int64, torch.int32, torch.bool)))
+        self.tokens = torch.zeros(self.size, dtype=torch.int64)
+        self.chain.first_iteration_ahead(self.size, (self.plan, self.tokens))
 
 
 def _refresh_outputs(graphs, size: int) -> None:
@@ -121,8 +130,9 @@ def replay_eagerly(graphs) -> None:
     for size in graphs.sizes:
         if isinstance(graphs, DraftChainGraphs):
             eager = _EagerChain(graphs, size)
-            graphs.graphs[size], graphs.catching_up_graphs[size] = (eager.iterations,
-                                                                    eager.catching_up)
+            graphs.graphs[size] = eager.iterations
+            graphs.catching_up_graphs[size] = eager.catching_up
+            graphs.ahead_graphs[size] = eager.ahead
             continue
         graphs.graphs[size] = _EagerReplay(partial(_refresh_outputs, graphs, size))
         if graphs.follower is not None:

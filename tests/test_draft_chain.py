@@ -102,3 +102,51 @@ def test_a_catch_up_writes_the_kv_of_the_last_runs_last_draft(tiny_checkpoint, m
     assert drafts[1, 0] == expected[1, 4]
     for cache, ref in ((k_cache, k_ref), (v_cache, v_ref)):
         torch.testing.assert_close(cache[2, 3:5], ref[2, 3:5], atol=1e-5, rtol=1e-5)
+
+
+def chain_start_case(rows: int = 4, iterations: int = 4, block_size: int = 4):
+    """A last run of `rows` rows: row 0 accepted none of its 3 drafts, row 1 two of 4, row 2
+    all 4, row 3 is padding (no drafts); each row's blocks are its own, numbered 10 r + j."""
+    tables = torch.tensor([[10 * r + j for j in range(8)] for r in range(rows)],
+                          dtype=torch.int32)
+    inputs = dict(
+        staged_positions=torch.tensor([5, 8, 3, 0]), staged_tokens=torch.tensor([50, 51, 52, 0]),
+        draft_counts=torch.tensor([3, 4, 4, 0], dtype=torch.int32), block_tables=tables,
+        last_drafts=torch.arange(100, 100 + rows * iterations).view(rows, iterations),
+        num_accepted=torch.tensor([0, 2, 4, 0]), sampled=torch.tensor([60, 61, 62, 63]),
+        block_size=block_size)
+    outputs = dict(plan_positions=torch.zeros(iterations, rows, dtype=torch.int64),
+                   plan_slots=torch.zeros(iterations, rows, dtype=torch.int64),
+                   plan_seq_lens=torch.zeros(iterations, rows, dtype=torch.int32),
+                   plan_drafted=torch.zeros(iterations, rows, dtype=torch.bool),
+                   first_tokens=torch.zeros(2 * rows, dtype=torch.int64),
+                   first_positions=torch.zeros(2 * rows, dtype=torch.int64),
+                   first_slots=torch.zeros(2 * rows, dtype=torch.int64))
+    return inputs, outputs
+
+
+def test_chain_start_feeds_the_token_before_the_next_known_one():
+    """A run queued ahead starts each row at the position after its last accepted draft, its
+    sampled token there and before it the last accepted draft (the last run's own token if
+    none), both writing KV; the plan walks on from there, as many positions as drafts."""
+    from engine.worker.chain_start import chain_start
+
+    inputs, out = chain_start_case()
+    chain_start(**inputs, **out)
+    # row 0: 5 + 0 + 1 = 6, before it the staged token 50; row 1: 8 + 3 = 11 after d2 = 105;
+    # row 2: 3 + 5 = 8 after d4 = 111 (its first KV); row 3: padding at 0 and 1, no KV
+    assert out["first_tokens"].tolist() == [50, 60, 105, 61, 111, 62, 0, 0]
+    assert out["first_positions"].tolist() == [5, 6, 10, 11, 7, 8, 0, 1]
+
+    def slot(row, position):  # blocks of 4 slots, row r's j-th block numbered 10 r + j
+        return (10 * row + position // 4) * 4 + position % 4
+
+    assert out["first_slots"].tolist() == [slot(0, 5), slot(0, 6), slot(1, 10), slot(1, 11),
+                                           slot(2, 7), slot(2, 8), -1, -1]
+    assert out["plan_positions"].t().tolist() == [[6, 7, 8, 8], [11, 12, 13, 14],
+                                                  [8, 9, 10, 11], [1, 1, 1, 1]]
+    assert out["plan_drafted"].t().tolist() == [[True] * 3 + [False], [True] * 4, [True] * 4,
+                                                [False] * 4]
+    assert out["plan_slots"][:, 0].tolist() == [slot(0, 6), slot(0, 7), slot(0, 8), -1]
+    assert out["plan_slots"][:, 3].tolist() == [-1] * 4
+    assert torch.equal(out["plan_seq_lens"], (out["plan_positions"] + 1).int())

@@ -12,6 +12,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from engine.worker.chain_start import chain_start
+
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                eps: float) -> torch.Tensor:
@@ -110,7 +112,9 @@ class Ops:
     linear: Callable[..., torch.Tensor]  # linear(x, weight, bias, gelu=False)
     add_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     sample: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    # a draft chain run's plan and first inputs, queued ahead (engine/worker/chain_start.py)
+    chain_start: Callable[..., None]
 
 
 TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
-                add_norm_linear=add_norm_linear, sample=sample)
+                add_norm_linear=add_norm_linear, sample=sample, chain_start=chain_start)

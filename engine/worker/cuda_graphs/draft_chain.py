@@ -147,6 +147,12 @@ class DraftChainGraphs(OneTokenGraphs):
         self.meta.catch_up_positions.fill_(-1)
         # the first iteration when a row catches up (first_iteration_catching_up)
         self.catching_up_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # the first iteration of a run queued ahead (first_iteration_ahead), and what it
+        # reads of the verification before it: each row's accepted count and sampled token
+        self.ahead_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.verified = torch.zeros((2, self.max_batch), dtype=torch.int64, device=device)
+        self.pair_starts = torch.arange(0, 2 * self.max_batch + 1, 2, dtype=torch.int32,
+                                        device=device)
 
     def first_iteration_catching_up(self, size: int,
                                     first: tuple[ChainPlan, torch.Tensor] | None = None
@@ -186,6 +192,28 @@ class DraftChainGraphs(OneTokenGraphs):
             first[1].copy_(tokens)
         return plan, tokens
 
+    def first_iteration_ahead(self, size: int, first: tuple[ChainPlan, torch.Tensor]) -> None:
+        """The first iteration of a run queued ahead, from the staged last run and
+        `verified` (engine/worker/chain_start.py: two token rows a sequence, the token
+        before its next known one and that one), its plan and tokens written into `first`
+        (the plain first iteration's captured outputs, which the iterations after it read)."""
+        plan, tokens = first
+        m, device = self.meta, self.drafts.device
+        inputs = [torch.empty(2 * size, dtype=torch.int64, device=device) for _ in range(3)]
+        self.model.ops.chain_start(
+            self.tokens.positions[:size], self.tokens.token_ids[:size], m.draft_counts[:size],
+            m.block_tables[:size], self.drafts[:size], self.verified[0, :size],
+            self.verified[1, :size], self.block_size, plan.positions, plan.slots,
+            plan.seq_lens, plan.drafted, *inputs)
+        token_ids, positions, slots = inputs
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=m.block_tables[:size], seq_lens=plan.seq_lens[0],
+            query_start_loc=self.pair_starts[:size + 1], max_query_len=2,
+            max_seq_len=self.max_model_len)
+        hidden = self.model(token_ids, positions, self.kv_caches, meta)
+        tokens.copy_(self._logits_and_draws(hidden[1::2])[1])
+        self.drafts[:size, 0] = plan.drafts(tokens, 0)
+
     def _planned_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, ChainPlan]:
         """The first `size` rows' staged input ids and positions, and every iteration's
         plan for them."""
@@ -213,8 +241,8 @@ class DraftChainGraphs(OneTokenGraphs):
         """Each graph reads the outputs of the captured graphs before it (never those of a
         warm-up run). Captured outputs were never computed: their memory holds whatever the
         pool held (another size's tokens, say), so they are set to a harmless plan and token
-        0 before the next warm-up reads them. The catching-up first iteration, which writes
-        the first's outputs, is captured last."""
+        0 before the next warm-up reads them. The catching-up and ahead first iterations,
+        which write the first's outputs, are captured last."""
         for size in reversed(self.sizes):
             first, pool, first_outputs = capture_graph(lambda: self.first_iteration(size), pool)
             self.graphs[size] = [first]
@@ -227,6 +255,8 @@ class DraftChainGraphs(OneTokenGraphs):
                 self.graphs[size].append(graph)
             self.catching_up_graphs[size], pool, _ = capture_graph(
                 lambda: self.first_iteration_catching_up(size, first_outputs), pool)
+            self.ahead_graphs[size], pool, _ = capture_graph(
+                lambda: self.first_iteration_ahead(size, first_outputs), pool)
         torch.cuda.synchronize()
         return pool
 
@@ -257,18 +287,14 @@ class DraftChainGraphs(OneTokenGraphs):
 
             rows       feed t @q, d1 @q+1, ..., dk-1 @q+k-1      drew d1..dk
             verified   A drafts accepted, then s                   next known token s @q+A+1
-            this run   feeds s @q+A+1 (and dk @q+k if A = k)      writes KV up to q+A+k"""
-        size, width, t, m = self.size_for(len(rows)), max(draft_counts), self.tokens, self.meta
+            this run   feeds [d_A @q+A, s @q+A+1] (d_0 = t), ...   writes KV up to q+A+k
+
+        (the first iteration: first_iteration_ahead)"""
+        size, width = self.size_for(len(rows)), max(draft_counts)
         self._stage(rows, draft_counts, [None] * len(rows), size)
-        rows = len(rows)
-        counts, positions = m.draft_counts[:rows].long(), t.positions[:rows]
-        m.catch_up_positions[:rows] = torch.where(num_accepted == counts, positions + counts, -1)
-        m.catch_up_sources[:rows] = (torch.arange(rows, device=counts.device) * self.iterations
-                                     + counts - 1)
-        positions += num_accepted + 1
-        t.token_ids[:rows] = sampled
-        m.seq_lens[:rows] = positions + 1
-        for graph in [self.catching_up_graphs[size], *self.graphs[size][1:width]]:
+        self.verified[0, :len(rows)] = num_accepted
+        self.verified[1, :len(rows)] = sampled
+        for graph in [self.ahead_graphs[size], *self.graphs[size][1:width]]:
             graph.replay()
 
     def _stage(self, rows: list[ScheduledSequence], draft_counts: list[int],
