@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-k", type=int, default=4)
     parser.add_argument("--batch-repeats", type=int, default=3,
                         help="rounds of plain, forced and switched runs per batch size")
+    parser.add_argument("--stream-repeats", type=int, default=3,
+                        help="rounds of plain and speculative runs per single-stream point")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--draft-model", help="measure this draft model (arch or path) only")
@@ -69,29 +71,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def single_stream(bench: Bench, prompt: list[int], c: float, verify_ratio: dict) -> list:
+    """Per k and a, --stream-repeats rounds of a plain run, a forced one (every step
+    drafts) and, where the cost model was measured, a switched one (as served); the speedups
+    are the medians of the rounds' (lists beside them), acceptance the first forced run's."""
     args = bench.args
     bench.configure(0)
     outputs, _ = bench.run([prompt])
-    reference, plain = outputs[0].token_ids, decode_seconds_per_token(outputs[0])
+    reference = outputs[0].token_ids
+    modes = {"speedup": False, **({"speedup_switch_on": True} if bench.step_times else {})}
     rows = []
     for k in numbers(args.ks, int):
         for a in numbers(args.rates):
-            bench.configure(k)
-            before = bench.counters()
-            outputs, _ = bench.run([prompt], [reference], a)
-            after = bench.counters()
+            ratios = {name: [] for name in modes}
+            for round_ in range(args.stream_repeats):
+                bench.configure(0)
+                plain = decode_seconds_per_token(bench.run([prompt])[0][0])
+                for name, adaptive in modes.items():
+                    bench.configure(k, adaptive=adaptive)
+                    before = bench.counters()
+                    outputs, _ = bench.run([prompt], [reference], a)
+                    ratios[name].append(plain / decode_seconds_per_token(outputs[0]))
+                    if round_ == 0 and not adaptive:
+                        first = {"diverged_at": first_divergence(outputs[0].token_ids,
+                                                                 reference),
+                                 **acceptance(before, bench.counters())}
             expected = expected_tokens(a, k)
-            rows.append({"k": k, "a": a, "speedup": plain / decode_seconds_per_token(outputs[0]),
-                         "expected": expected / (k * c + 1),
+            rows.append({"k": k, "a": a, **medians(ratios), "expected": expected / (k * c + 1),
                          "expected_refined": expected / (k * c + verify_ratio.get(k, 1.0)),
-                         "diverged_at": first_divergence(outputs[0].token_ids, reference),
-                         **acceptance(before, after)})
-            if bench.step_times is not None:  # as served: the switch-off may stop drafting
-                bench.configure(k, adaptive=True)
-                outputs, _ = bench.run([prompt], [reference], a)
-                rows[-1]["speedup_switch_on"] = plain / decode_seconds_per_token(outputs[0])
+                         **first})
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def medians(ratios: dict[str, list[float]]) -> dict:
+    """Each name's median, and its rounds under the name + "s"."""
+    return {**{name: statistics.median(r) for name, r in ratios.items()},
+            **{f"{name}s": r for name, r in ratios.items()}}
 
 
 def batches(bench: Bench, rng: random.Random) -> list:
@@ -166,7 +181,9 @@ def pipelining(bench: Bench, prompt: list[int]) -> dict:
 
 def draft_model_stream(args: argparse.Namespace, prompt: list[int]) -> dict:
     """The draft model at each k (switch-off out) against an engine without speculation, one
-    stream; both engines' pools hold a few streams, so they fit side by side. The expectation
+    stream, in --stream-repeats rounds of a plain and a speculative run (medians, as
+    single_stream's); both engines' pools hold a few streams, so they fit side by side. The
+    expectation
     is E(a, k) at the measured a over S(1, k) / plain: the speculative step (drafting and
     verification, measured at startup on CUDA) over the plain engine's time per token."""
     blocks = 8 * -(-(args.prompt_len + args.output_len + largest_k(args)) // 16)
@@ -176,24 +193,29 @@ def draft_model_stream(args: argparse.Namespace, prompt: list[int]) -> dict:
     bench.configure(0)
     bench.run([prompt])
     outputs, _ = plain.run([prompt])
-    reference, plain_seconds = outputs[0].token_ids, decode_seconds_per_token(outputs[0])
+    reference, plain_times = outputs[0].token_ids, []
     times = bench.step_times  # None off CUDA
     rows = []
     for k in numbers(args.ks, int):
         for a in [None, *numbers(args.rates)]:  # None: the draft's own tokens
-            bench.configure(k)
-            before = bench.counters()
-            outputs, _ = bench.run([prompt], None if a is None else [reference], a or 0.0)
-            measured = acceptance(before, bench.counters())
+            ratios = {"speedup": []}
+            for round_ in range(args.stream_repeats):  # rounds of plain, then speculative
+                plain_times.append(decode_seconds_per_token(plain.run([prompt])[0][0]))
+                bench.configure(k)
+                before = bench.counters()
+                outputs, _ = bench.run([prompt], None if a is None else [reference], a or 0.0)
+                ratios["speedup"].append(plain_times[-1] / decode_seconds_per_token(outputs[0]))
+                if round_ == 0:
+                    first = {"diverged_at": first_divergence(outputs[0].token_ids, reference),
+                             **acceptance(before, bench.counters())}
             step = times and times.at(times.speculative[k], 1)
-            rows.append({"k": k, "a": a,
-                         "speedup": plain_seconds / decode_seconds_per_token(outputs[0]),
-                         "expected": step and expected_tokens(measured["a_measured"], k)
-                         * plain_seconds / step, "speculative_step_ms": step and step * 1e3,
-                         "diverged_at": first_divergence(outputs[0].token_ids, reference),
-                         **measured})
+            rows.append({"k": k, "a": a, **medians(ratios),
+                         "expected": step and expected_tokens(first["a_measured"], k)
+                         * statistics.median(plain_times) / step,
+                         "speculative_step_ms": step and step * 1e3, **first})
             print(json.dumps(rows[-1]), flush=True)
-    return {"draft_model": args.draft_model, "plain_ms_per_token": plain_seconds * 1e3,
+    return {"draft_model": args.draft_model,
+            "plain_ms_per_token": statistics.median(plain_times) * 1e3,
             "single_stream": rows}
 
 

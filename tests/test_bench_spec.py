@@ -8,7 +8,8 @@ from bench_spec import main
 def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
     main(["--model", str(tiny_checkpoint), "--device", "cpu", "--out", str(tmp_path),
           "--rates", "0,1", "--ks", "2", "--batches", "1,2", "--batch-k", "2",
-          "--batch-repeats", "2", "--prompt-len", "16", "--output-len", "6"])
+          "--batch-repeats", "2", "--stream-repeats", "2", "--prompt-len", "16",
+          "--output-len", "6"])
     result = json.loads((tmp_path / "spec.json").read_text())
     assert [(r["k"], r["a"]) for r in result["single_stream"]] == [(2, 0.0), (2, 1.0)]
     full, none = result["single_stream"][1], result["single_stream"][0]
@@ -20,6 +21,9 @@ def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
     # each batch size's speedup: the median of its two rounds (no cost model on CPU: forced)
     assert all(len(r["speedups_switch_off"]) == 2 and "speedups_switch_on" not in r
                for r in result["batches"])
+    # a single-stream point: the median of its two rounds, forced (no switched runs on CPU)
+    assert all(len(r["speedups"]) == 2 and "speedup_switch_on" not in r
+               for r in result["single_stream"])
     assert result["ngram"]["k"] == 2 and result["ngram"]["speedup_mean"] > 0
     assert set(result["pipelining"]) == {"async_ms_per_token", "sync_ms_per_token"}
     # speculation left every greedy output as plain decoding had it
@@ -36,6 +40,7 @@ def test_bench_spec_measures_a_draft_model(tiny_checkpoint, tmp_path):
     result = json.loads((tmp_path / "spec_draft.json").read_text())
     rows = result["single_stream"]
     assert [(r["k"], r["a"]) for r in rows] == [(1, None), (1, 0.0), (2, None), (2, 0.0)]
-    assert all(r["speedup"] > 0 for r in rows) and result["plain_ms_per_token"] > 0
+    assert all(r["speedup"] > 0 and len(r["speedups"]) == 3 for r in rows)
+    assert result["plain_ms_per_token"] > 0
     assert [r["a_measured"] for r in rows] == [1.0, 0.0, 1.0, 0.0]
     assert all(r["diverged_at"] is None for r in rows)
