@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def single_stream(bench: Bench, prompt: list[int], c: float, verify_ratio: dict) -> list:
     """Per k and a, --stream-repeats rounds of a plain run, a forced one (every step
     drafts) and, where the cost model was measured, a switched one (as served); the speedups
-    are the medians of the rounds' (lists beside them), acceptance the first forced run's."""
+    are the medians of the rounds' (lists beside them), the acceptance that of every forced
+    run, diverged_at the first divergence of any run."""
     args = bench.args
     bench.configure(0)
     outputs, _ = bench.run([prompt])
@@ -82,25 +83,43 @@ def single_stream(bench: Bench, prompt: list[int], c: float, verify_ratio: dict)
     rows = []
     for k in numbers(args.ks, int):
         for a in numbers(args.rates):
-            ratios = {name: [] for name in modes}
+            ratios, counted, diverged = {name: [] for name in modes}, Counted(), []
             for round_ in range(args.stream_repeats):
                 bench.configure(0)
                 plain = decode_seconds_per_token(bench.run([prompt])[0][0])
                 for name, adaptive in modes.items():
                     bench.configure(k, adaptive=adaptive)
-                    before = bench.counters()
-                    outputs, _ = bench.run([prompt], [reference], a)
+                    outputs = counted.run(bench, not adaptive, [prompt], [reference], a, round_)
                     ratios[name].append(plain / decode_seconds_per_token(outputs[0]))
-                    if round_ == 0 and not adaptive:
-                        first = {"diverged_at": first_divergence(outputs[0].token_ids,
-                                                                 reference),
-                                 **acceptance(before, bench.counters())}
+                    diverged.append(first_divergence(outputs[0].token_ids, reference))
             expected = expected_tokens(a, k)
             rows.append({"k": k, "a": a, **medians(ratios), "expected": expected / (k * c + 1),
                          "expected_refined": expected / (k * c + verify_ratio.get(k, 1.0)),
-                         **first})
+                         "diverged_at": next((d for d in diverged if d is not None), None),
+                         **counted.acceptance()})
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+class Counted:
+    """The speculation counters summed over the runs a point counts (its forced runs, each
+    round's oracle pattern its own: round r draws from seed r in every process)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, int] = {}
+
+    def run(self, bench: Bench, counts: bool, prompts: list, references: list | None,
+            rate: float, seed: int) -> list:
+        """bench.run's outputs; its counters are summed if `counts`."""
+        before = bench.counters()
+        outputs, _ = bench.run(prompts, references, rate, seed)
+        if counts:
+            for name, value in bench.counters().items():
+                self.totals[name] = self.totals.get(name, 0) + value - before[name]
+        return outputs
+
+    def acceptance(self) -> dict:
+        return acceptance(dict.fromkeys(self.totals, 0), self.totals)
 
 
 def medians(ratios: dict[str, list[float]]) -> dict:
@@ -198,21 +217,22 @@ def draft_model_stream(args: argparse.Namespace, prompt: list[int]) -> dict:
     rows = []
     for k in numbers(args.ks, int):
         for a in [None, *numbers(args.rates)]:  # None: the draft's own tokens
-            ratios = {"speedup": []}
+            ratios, counted, diverged = {"speedup": []}, Counted(), []
             for round_ in range(args.stream_repeats):  # rounds of plain, then speculative
                 plain_times.append(decode_seconds_per_token(plain.run([prompt])[0][0]))
                 bench.configure(k)
-                before = bench.counters()
-                outputs, _ = bench.run([prompt], None if a is None else [reference], a or 0.0)
+                outputs = counted.run(bench, True, [prompt], None if a is None else [reference],
+                                      a or 0.0, round_)
                 ratios["speedup"].append(plain_times[-1] / decode_seconds_per_token(outputs[0]))
-                if round_ == 0:
-                    first = {"diverged_at": first_divergence(outputs[0].token_ids, reference),
-                             **acceptance(before, bench.counters())}
+                diverged.append(first_divergence(outputs[0].token_ids, reference))
+            measured = counted.acceptance()
             step = times and times.at(times.speculative[k], 1)
             rows.append({"k": k, "a": a, **medians(ratios),
-                         "expected": step and expected_tokens(first["a_measured"], k)
+                         "expected": step and expected_tokens(measured["a_measured"], k)
                          * statistics.median(plain_times) / step,
-                         "speculative_step_ms": step and step * 1e3, **first})
+                         "speculative_step_ms": step and step * 1e3,
+                         "diverged_at": next((d for d in diverged if d is not None), None),
+                         **measured})
             print(json.dumps(rows[-1]), flush=True)
     return {"draft_model": args.draft_model,
             "plain_ms_per_token": statistics.median(plain_times) * 1e3,

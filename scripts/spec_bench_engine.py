@@ -92,17 +92,18 @@ class Bench:
                                   if adaptive and self.step_times else None)
 
     def run(self, prompts: list[list[int]], references: list[list[int]] | None = None,
-            rate: float = 0.0) -> tuple[list, float]:
+            rate: float = 0.0, seed: int | None = None) -> tuple[list, float]:
         """Greedy outputs of the prompts and the wall seconds; with references, the oracle
         replays them at acceptance rate `rate` (in place of the draft model's tokens, for
-        the draft_model method)."""
+        the draft_model method), its corruptions drawn from `seed` and the prompt's index
+        (None: a seed of its own for each run)."""
         ids = [f"b{self._next + i}" for i in range(len(prompts))]
         self._next += len(prompts)
         self.draft_oracle = None
         if references is not None:
-            oracle = OracleProposer(rate, VOCAB, seed=self._next)
-            for request_id, reference in zip(ids, references):
-                oracle.add(f"{request_id}#0", reference)
+            oracle = OracleProposer(rate, VOCAB, seed=self._next if seed is None else seed)
+            for i, (request_id, reference) in enumerate(zip(ids, references)):
+                oracle.add(f"{request_id}#0", reference, key=str(i))
             if self.drafter is None:
                 self.speculator.proposer = oracle
             else:  # the draft model still drafts (and costs); the oracle sets the tokens

@@ -27,10 +27,12 @@ class OracleProposer:
         self.seed = seed
         self._drafts: dict[str, list[int]] = {}
 
-    def add(self, request_id: str, reference: Sequence[int]) -> None:
-        """The continuation to replay for a request, from its first output token on."""
+    def add(self, request_id: str, reference: Sequence[int], key: str | None = None) -> None:
+        """The continuation to replay for a request, from its first output token on; its
+        corruptions drawn from (seed, key), the request id unless given (a benchmark's
+        rounds key them by prompt, so each replays the pattern of its seed)."""
         # a str seed is hashed with sha512: the same stream in every process
-        rng = random.Random(f"{self.seed}:{request_id}")
+        rng = random.Random(f"{self.seed}:{request_id if key is None else key}")
         drafts = []
         for token in reference:
             if rng.random() < self.acceptance_rate:
