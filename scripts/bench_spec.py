@@ -107,6 +107,7 @@ class Counted:
 
     def __init__(self) -> None:
         self.totals: dict[str, int] = {}
+        self.a_rounds: list[float] = []  # each counted run's a
 
     def run(self, bench: Bench, counts: bool, prompts: list, references: list | None,
             rate: float, seed: int) -> list:
@@ -114,12 +115,15 @@ class Counted:
         before = bench.counters()
         outputs, _ = bench.run(prompts, references, rate, seed)
         if counts:
-            for name, value in bench.counters().items():
+            after = bench.counters()
+            for name, value in after.items():
                 self.totals[name] = self.totals.get(name, 0) + value - before[name]
+            self.a_rounds.append(acceptance(before, after)["a_measured"])
         return outputs
 
     def acceptance(self) -> dict:
-        return acceptance(dict.fromkeys(self.totals, 0), self.totals)
+        return {**acceptance(dict.fromkeys(self.totals, 0), self.totals),
+                "a_rounds": self.a_rounds}
 
 
 def medians(ratios: dict[str, list[float]]) -> dict:

@@ -24,6 +24,7 @@ def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
     # a single-stream point: the median of its two rounds, forced (no switched runs on CPU)
     assert all(len(r["speedups"]) == 2 and "speedup_switch_on" not in r
                for r in result["single_stream"])
+    assert full["a_rounds"] == [1.0, 1.0] and none["a_rounds"] == [0.0, 0.0]
     assert result["ngram"]["k"] == 2 and result["ngram"]["speedup_mean"] > 0
     assert set(result["pipelining"]) == {"async_ms_per_token", "sync_ms_per_token"}
     # speculation left every greedy output as plain decoding had it
