@@ -225,3 +225,41 @@ def test_step_times_are_measured_for_each_batch_size_and_draft_length(tiny_check
     assert times.batch_sizes == (1, 2, 4)  # 4 rows of k + 1 = 5 tokens fill the budget
     assert sorted(times.speculative) == [1, 2, 3, 4]
     assert all(t > 0 for series in times.speculative.values() for t in series)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_plain_steps_are_timed_as_the_loop_runs_them(async_scheduling):
+    """The switch-off compares a speculative step, applied before the next is scheduled,
+    with plain steps as the loop runs them: pipelined with async scheduling (every launch
+    before the first wait), one at a time without it; speculative steps one at a time."""
+    from engine.core.config import SchedulerConfig, SpeculativeConfig
+    from engine.worker.spec_timing import measure_step_times
+
+    events = []
+
+    class Pending:
+        def __init__(self, drafts: int) -> None:
+            self.drafts = drafts
+
+        def wait(self):
+            events.append(("wait", self.drafts))
+
+    class Runner:
+        block_size, num_kv_blocks = 16, 64
+
+        def launch(self, out):
+            events.append(("launch", out.num_draft_tokens))
+            return Pending(out.num_draft_tokens)
+
+        def execute(self, out):
+            return self.launch(out).wait()
+
+    sched = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64,
+                            async_scheduling=async_scheduling)
+    measure_step_times(Runner(), SpeculativeConfig(num_speculative_tokens=1), sched, repeats=3)
+    plain = [kind for kind, drafts in events if not drafts]
+    timed = plain[2:]  # after the warm-up's launch and wait
+    assert timed == (["launch"] * 3 + ["wait"] * 3 if async_scheduling
+                     else ["launch", "wait"] * 3)
+    speculative = [kind for kind, drafts in events if drafts]
+    assert speculative == ["launch", "wait"] * 4

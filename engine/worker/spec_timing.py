@@ -7,7 +7,12 @@ a step can hold and k in 1..K.
 
 The synthetic steps read and write the KV of blocks 0.. while nothing is cached yet; every
 sequence of a step shares one block table, which costs the kernels what distinct tables
-would. Times are wall-clock seconds of `runner.execute` (launch, wait), the median of a few.
+would. Times are wall-clock seconds a step as the engine's loop runs it: plain steps
+pipelined with async scheduling (each launched before the last is waited for, so the host's
+work hides behind the device's), speculative steps one at a time (`runner.execute`: launch,
+wait), as a step whose result decides the next is applied before the next is scheduled.
+Timed one at a time, a plain step looked as dear as a one-stream verification in the
+8-token graph, and the switch kept a stream whose drafts all failed speculating (0.83x).
 """
 from __future__ import annotations
 
@@ -34,8 +39,8 @@ def measure_step_times(runner, spec: SpeculativeConfig, sched: SchedulerConfig,
                     if b <= sched.max_num_seqs and b * (k_max + 1) <= sched.max_num_batched_tokens})
     room = min(sched.max_model_len, runner.num_kv_blocks * runner.block_size)
     context = min(CONTEXT, room) - k_max - 1
-    plain = tuple(_seconds(runner, _step(b, 0, context, runner.block_size), repeats)
-                  for b in sizes)
+    plain = tuple(_seconds(runner, _step(b, 0, context, runner.block_size), repeats,
+                           pipelined=sched.async_scheduling) for b in sizes)
     speculative = {}
     for k in range(1, k_max + 1):
         propose = proposer_seconds(spec, k, context) if spec.method == "ngram" else 0.0
@@ -53,8 +58,15 @@ def _step(batch: int, k: int, context: int, block_size: int) -> SchedulerOutput:
     return SchedulerOutput(seqs, num_draft_tokens=batch * k)
 
 
-def _seconds(runner, step: SchedulerOutput, repeats: int) -> float:
+def _seconds(runner, step: SchedulerOutput, repeats: int, pipelined: bool = False) -> float:
+    """The median of `repeats` steps waited for one by one; `pipelined`: the mean of
+    `repeats` launched back to back, then waited for."""
     runner.execute(step)  # warm-up
+    if pipelined:
+        start = time.perf_counter()
+        for pending in [runner.launch(step) for _ in range(repeats)]:
+            pending.wait()
+        return (time.perf_counter() - start) / repeats
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
