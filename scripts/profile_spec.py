@@ -120,6 +120,21 @@ class _Marked:
         self.graph.replay()
 
 
+def _marking_after(fn, timeline: list, kind: str):
+    def marking(*a, **kw):
+        result = fn(*a, **kw)
+        _mark(timeline, kind)
+        return result
+    return marking
+
+
+def _marking_before(fn, timeline: list, kind: str):
+    def marking(*a, **kw):
+        _mark(timeline, kind)
+        return fn(*a, **kw)
+    return marking
+
+
 def _mark(timeline: list, kind: str) -> None:
     event = torch.cuda.Event(enable_timing=True)
     event.record()
@@ -129,36 +144,38 @@ def _mark(timeline: list, kind: str) -> None:
 def device_gaps(bench: Bench, run) -> dict:
     """Median device idle a step, in us, from CUDA events recorded as the host launches:
     "before_draft", from the end of the last step's work to the draft's first iteration
-    (the host's wait, update, schedule and staging), and "before_verify", from the draft's
-    last iteration to the verification graph (the host late with its launch)."""
+    (the host's wait, update, schedule and staging; ~0 where the draft is queued ahead,
+    right behind the verification), and "before_verify", from the draft's last iteration
+    to the verification graph (the host late with its launch)."""
     runner = bench.engine.core.runner
-    chain, mixed = runner.drafter.chain, runner.mixed_graphs
-    timeline: list = []
-    draft_graphs, catching_up = dict(chain.graphs), dict(chain.catching_up_graphs)
-    verify_graphs, chain_run, launch = dict(mixed.graphs), chain.run, runner.launch
-    for size, graphs in draft_graphs.items():
+    drafter, mixed = runner.drafter, runner.mixed_graphs
+    chain, timeline = drafter.chain, []
+    saved = {name: dict(getattr(chain, name))
+             for name in ("graphs", "catching_up_graphs", "ahead_graphs")}
+    verify_graphs = dict(mixed.graphs)
+    methods = [(chain, "run"), (chain, "run_ahead"), (drafter, "draft_ahead"),
+               (runner, "launch")]
+    originals = [getattr(obj, name) for obj, name in methods]
+    for size, graphs in saved["graphs"].items():
         chain.graphs[size] = [_Marked(graphs[0], timeline, "draft"), *graphs[1:]]
-        chain.catching_up_graphs[size] = _Marked(catching_up[size], timeline, "draft")
+        chain.catching_up_graphs[size] = _Marked(saved["catching_up_graphs"][size], timeline,
+                                                 "draft")
+        chain.ahead_graphs[size] = _Marked(saved["ahead_graphs"][size], timeline, "draft")
     for size, graph in verify_graphs.items():
         mixed.graphs[size] = _Marked(graph, timeline, "verify")
-
-    def marked_chain_run(*a, **kw):
-        drafts = chain_run(*a, **kw)
-        _mark(timeline, "draft end")
-        return drafts
-
-    def marked_launch(out):
-        pending = launch(out)
-        _mark(timeline, "step end")
-        return pending
-
-    chain.run, runner.launch = marked_chain_run, marked_launch
+    # the step's work is queued when the draft is about to be queued ahead, or at the end
+    # of the launch; a chain run ends the draft
+    chain.run, chain.run_ahead = (_marking_after(fn, timeline, "draft end")
+                                  for fn in originals[:2])
+    drafter.draft_ahead = _marking_before(originals[2], timeline, "step end")
+    runner.launch = _marking_after(originals[3], timeline, "step end")
     run()
     torch.cuda.synchronize()
-    chain.graphs.update(draft_graphs)
-    chain.catching_up_graphs.update(catching_up)
+    for name, graphs in saved.items():
+        getattr(chain, name).update(graphs)
     mixed.graphs.update(verify_graphs)
-    chain.run, runner.launch = chain_run, launch
+    for (obj, name), fn in zip(methods, originals):
+        setattr(obj, name, fn)
     gaps: dict[str, list[float]] = {"before_draft": [], "before_verify": []}
     after = {"draft": "step end", "verify": "draft end"}
     last: dict[str, torch.cuda.Event] = {}
