@@ -206,8 +206,9 @@ class Scheduler:
             drafts = self._drafts(request, computed, num_new, budget)
             num_new += len(drafts)
             total = computed + num_new
-            # the lookahead only if blocks are free: no request is preempted for it
-            while not (drafts and self._grow_with_lookahead(request, total)
+            ahead = self._with_lookahead(total) if drafts else total
+            # the lookahead only where blocks are free: no request is preempted for it
+            while not (ahead > total and self.block_manager.grow(request.request_id, ahead)
                        or self.block_manager.grow(request.request_id, total)):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -219,9 +220,6 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget
-
-    def _grow_with_lookahead(self, request: Request, num_tokens: int) -> bool:
-        return self.block_manager.grow(request.request_id, self._with_lookahead(num_tokens))
 
     def _with_lookahead(self, num_tokens: int) -> int:
         """A speculating request's table covers the speculator's lookahead past its tokens

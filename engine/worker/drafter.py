@@ -107,17 +107,18 @@ class Drafter:
         without a host sync, as the target's step after them is. `skips_follow`: the
         target's step will run without the follow pass."""
         width = max(s.num_drafts for s in seqs)
-        rows, counts = [_chain_row(s) for s in seqs], [s.num_drafts for s in seqs]
-        catch_ups = self._catch_ups(seqs)
         drafted_ahead, self._drafted_ahead = self._drafted_ahead, None
         if skips_follow and drafted_ahead == [(s.request_id, s.num_drafts) for s in seqs]:
             drafts = self.chain.drafts[:len(seqs), :width]
             self.num_taken_ahead += 1
-        elif self.chain is not None:
-            drafts = self.chain.run(rows, counts, catch_ups)
         else:
-            self._eager_catch_up(rows, catch_ups)
-            drafts = self._last_drafts = self._eager_chain(rows, counts, width)
+            rows, counts = [_chain_row(s) for s in seqs], [s.num_drafts for s in seqs]
+            catch_ups = self._catch_ups(seqs)
+            if self.chain is not None:
+                drafts = self.chain.run(rows, counts, catch_ups)
+            else:
+                self._eager_catch_up(rows, catch_ups)
+                drafts = self._last_drafts = self._eager_chain(rows, counts, width)
         self._unfollowed = {s.request_id: (s.start_position + s.num_drafts, row,
                                            s.num_drafts - 1)
                             for row, s in enumerate(seqs) if s.num_drafts and skips_follow}
@@ -128,9 +129,9 @@ class Drafter:
         the follow pass: queue the next step's drafts on the device (run_ahead) from the
         verification's tokens (`verified`, not yet on the host). Only with chain graphs and
         where each table covers the row's lookahead (the scheduler's, k past the drafts)."""
-        size = self.runner.block_size
+        block_size = self.runner.block_size
         if self.chain is None or not all(
-                s.num_drafts and len(s.block_ids) * size > s.start_position + 2 * s.num_drafts
+                s.num_drafts and len(s.block_ids) * block_size > s.start_position + 2 * s.num_drafts
                 for s in seqs):
             return
         # a row: its accepted drafts, its sampled token, then NO_TOKEN

@@ -274,16 +274,15 @@ class DraftChainGraphs(OneTokenGraphs):
             graph.replay()
         return self.drafts[:len(rows), :width]
 
-
     def run_ahead(self, rows: list[ScheduledSequence], draft_counts: list[int],
                   num_accepted: torch.Tensor, sampled: torch.Tensor) -> None:
         """Queue the run after `rows`' (as run() got them) behind the verification of its
         drafts, its inputs advanced on the device from what the verification accepted
-        (`num_accepted` and the `sampled` token, per row): each row feeds its sampled token
-        at the position after its last accepted draft, and a row that accepted all its
-        drafts catches up on the last one (whose KV no iteration wrote). The rows' draft
-        counts and block tables stay, so the caller checks that the next step is the one
-        drafted for, and the tables must cover each row's position + 2 x its draft count.
+        (`num_accepted` and the `sampled` token, per row): each row's first iteration feeds
+        the token before its next known one and that one, its sampled token, so a row that
+        accepted all its drafts writes the KV of the last (no iteration wrote it). The rows'
+        draft counts and block tables stay, so the caller checks that the next step is the
+        one drafted for, and the tables must cover each row's position + 2 x its draft count.
 
             rows       feed t @q, d1 @q+1, ..., dk-1 @q+k-1      drew d1..dk
             verified   A drafts accepted, then s                   next known token s @q+A+1
