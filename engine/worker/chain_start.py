@@ -9,13 +9,34 @@ first iteration's inputs, two token rows a sequence:
                  first KV of d_k, before: a rewrite of its own)  their KV)
     plan        iteration i at min(p + i, p + k - 1), slot -1 once the row has drawn its k
 
-A row without drafts (padding) sits at positions 0 and 1 and writes nothing. This is the
-plain-PyTorch reference; kernels/draft_chain_start.py does it in one launch (some fifty of
+A row without drafts (padding) sits at positions 0 and 1 and writes nothing. The plan is
+`chain_plan`, which every chain run's `ChainPlan.of` computes too. This is the plain-PyTorch
+reference; kernels/draft_chain_start.py does it in one launch (some fifty of
 these small ops took ~60 us of device time in a step's graphs).
 """
 from __future__ import annotations
 
 import torch
+
+
+def chain_plan(first: torch.Tensor, block_tables: torch.Tensor, draft_counts: torch.Tensor,
+         iterations: int, block_size: int) -> tuple[torch.Tensor, ...]:
+    """A chain run's plan from each row's first position, block table and draft count:
+    [iterations, rows] int64 positions and slots (-1 once the row has drawn its count), int32
+    lengths, bool drafted (`ChainPlan`'s fields)."""
+    steps = torch.arange(iterations, device=first.device)[:, None]
+    counts = draft_counts.long()
+    at = torch.minimum(first + steps, first + (counts - 1).clamp(min=0))
+    drafted = steps < counts
+    slots = slots_at(block_tables, at.t(), block_size).t().contiguous()
+    return at, torch.where(drafted, slots, -1), (at + 1).int(), drafted
+
+
+def slots_at(block_tables: torch.Tensor, positions: torch.Tensor,
+             block_size: int) -> torch.Tensor:
+    """The cache slots of `positions` [rows, n] in each row's block table."""
+    blocks = block_tables.gather(1, positions // block_size)
+    return blocks * block_size + positions % block_size
 
 
 def chain_start(staged_positions: torch.Tensor, staged_tokens: torch.Tensor,
@@ -29,29 +50,19 @@ def chain_start(staged_positions: torch.Tensor, staged_tokens: torch.Tensor,
     draft count, block table and drafts ([R, >= iterations]), and the verification's
     accepted count and sampled token. Writes the plan ([iterations, R]: int64 positions and
     slots, int32 seq_lens, bool drafted) and the first iteration's [2R] int64 inputs."""
-    iterations = plan_positions.shape[0]
-    counts = draft_counts.long()
-    drafting = counts > 0
+    drafting = draft_counts > 0
     accepted = num_accepted.long()
     first = torch.where(drafting, staged_positions + accepted + 1, 1)
-    steps = torch.arange(iterations, device=first.device)[:, None]
-    at = torch.minimum(first + steps, first + (counts - 1).clamp(min=0))
-    drafted = steps < counts
-    plan_positions.copy_(at)
-    plan_slots.copy_(torch.where(drafted, _slots(block_tables, at.t(), block_size).t(), -1))
-    plan_seq_lens.copy_(at + 1)
-    plan_drafted.copy_(drafted)
+    for out, value in zip((plan_positions, plan_slots, plan_seq_lens, plan_drafted),
+                          chain_plan(first, block_tables, draft_counts,
+                                     plan_positions.shape[0], block_size)):
+        out.copy_(value)
     last_accepted = last_drafts.gather(1, (accepted - 1).clamp(min=0)[:, None]).squeeze(1)
     before = torch.where(accepted > 0, last_accepted, staged_tokens)
-    before_slots = _slots(block_tables, (first - 1)[:, None], block_size).squeeze(1)
+    before_slots = slots_at(block_tables, (first - 1)[:, None], block_size).squeeze(1)
     first_tokens.copy_(_pairs(torch.where(drafting, before, 0), torch.where(drafting, sampled, 0)))
     first_positions.copy_(_pairs(first - 1, first))
     first_slots.copy_(_pairs(torch.where(drafting, before_slots, -1), plan_slots[0]))
-
-
-def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    blocks = block_tables.gather(1, positions // block_size).long()
-    return blocks * block_size + positions % block_size
 
 
 def _pairs(even: torch.Tensor, odd: torch.Tensor) -> torch.Tensor:

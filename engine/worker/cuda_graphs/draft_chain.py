@@ -31,6 +31,7 @@ import torch
 
 from engine.core.batch import ScheduledSequence
 from engine.worker.attention import AttentionMetadata
+from engine.worker.chain_start import chain_plan, slots_at
 from engine.worker.cuda_graphs.buffers import BufferLayout
 from engine.worker.cuda_graphs.decode import DecodeStager, OneTokenGraphs
 from engine.worker.cuda_graphs.graph_set import capture_graph
@@ -51,13 +52,7 @@ class ChainPlan:
     def of(positions: torch.Tensor, block_tables: torch.Tensor, draft_counts: torch.Tensor,
            iterations: int, block_size: int) -> ChainPlan:
         """From each row's first position, block table and draft count."""
-        steps = torch.arange(iterations, device=positions.device)[:, None]
-        counts = draft_counts.long()[None, :]
-        first = positions[None, :]
-        at = torch.minimum(first + steps, first + (counts - 1).clamp(min=0))
-        drafted = steps < counts
-        slots = slots_at(block_tables, at.t(), block_size).t().contiguous()
-        return ChainPlan(at, torch.where(drafted, slots, -1), (at + 1).int(), drafted)
+        return ChainPlan(*chain_plan(positions, block_tables, draft_counts, iterations, block_size))
 
     def iteration(self, model: torch.nn.Module, kv_caches: list, input_ids: torch.Tensor,
                   meta: AttentionMetadata, i: int, draw: Draw) -> torch.Tensor:
@@ -77,13 +72,6 @@ class ChainPlan:
     def drafts(self, tokens: torch.Tensor, i: int) -> torch.Tensor:
         """Iteration i's tokens as drafts: NO_TOKEN for rows drafting fewer."""
         return tokens.masked_fill(~self.drafted[i], NO_TOKEN)
-
-
-def slots_at(block_tables: torch.Tensor, positions: torch.Tensor,
-             block_size: int) -> torch.Tensor:
-    """The cache slots of `positions` [rows, n] in each row's block table."""
-    blocks = block_tables.gather(1, positions // block_size)
-    return blocks * block_size + positions % block_size
 
 
 def feed_for_kv(model: torch.nn.Module, kv_caches: list, input_ids: torch.Tensor,
