@@ -38,12 +38,13 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request. Raises ValueError with a clear message on bad input."""
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        """Validate and queue a request. Raises ValueError with a clear message on bad input.
+        cache_salt: see OutputProcessor.add."""
         token_ids = self.tokenizer.encode_prompt(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         sequences = self.processor.add(request_id, prompt if isinstance(prompt, str) else None,
-                                       token_ids, params, arrival)
+                                       token_ids, params, arrival, cache_salt=cache_salt)
         try:
             for seq in sequences:  # all choices pass the same checks: the first raises
                 self.core.add(seq)

@@ -25,7 +25,7 @@ from server.app import ServerSettings, create_app, version
 from server.api_servers import ApiServerOptions, listening_socket, run_api_servers
 from server.core_client import CoreClient
 from server.engine_process import LOG_FORMAT, EngineProcess
-from server.http_server import serve_app
+from server.http_server import HttpLimits, add_http_flags, serve_app
 
 logger = logging.getLogger("gpt2serve")
 CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -88,9 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", help="the name clients send as `model` "
                         "(default: the --model value)")
-    parser.add_argument("--max-queued-requests", type=int, default=256,
+    parser.add_argument("--max-queued-requests", type=int, default=20_000,
                         help="sequences (prompts x n) waiting for the engine before new "
-                        "requests get 503; a request larger than this gets 400")
+                        "requests get 503; a request larger than this gets 400. A waiting "
+                        "sequence costs its prompt's memory, ~75 KB at 1024 tokens")
     parser.add_argument("--max-n", type=int, default=16, help="cap on `n` per request")
     parser.add_argument("--max-prompts-per-request", type=int, default=2048,
                         help="cap on the prompts of one request (OpenAI's is 2048)")
@@ -98,11 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds in-flight requests get to finish after SIGTERM; then "
                         "open streams end with an error event and the process exits")
     parser.add_argument("--watchdog-timeout", type=float, default=60.0,
-                        help="/health answers 503 when the engine has work but has not "
-                        "completed a step for this many seconds")
+                        help="when the engine core has not answered for this many seconds "
+                        "(it answers every step, and every 0.2 s when idle), open requests "
+                        "fail with 503 and /health answers 503")
+    parser.add_argument("--watchdog-exit-timeout", type=float,
+                        help="when it has not answered for this many seconds, the server "
+                        "exits with code 1 to be restarted (default: twice "
+                        "--watchdog-timeout); a dead core makes it exit at once")
+    parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
+                        help="larger request bodies get 413 (default: 4 MiB)")
     parser.add_argument("--disable-fastapi-docs", action="store_true",
                         help="do not serve /openapi.json and /docs")
-    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route "
+                        "but /health, /ping, /version and /metrics")
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="API server processes in front of the one engine core; more "
                         "than one when a single process cannot stream as fast as the engine "
@@ -115,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="speculative decoding, as vLLM's JSON dict, e.g. "
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(overrides the preset's `speculative` section)")
+    add_http_flags(parser)
     _add_engine_flags(parser)
     return parser
 
@@ -183,8 +193,14 @@ def main(argv: list[str] | None = None) -> None:
            args.api_server_count) < 1:
         parser.error("--max-queued-requests, --max-n, --max-prompts-per-request and "
                      "--api-server-count must be >= 1")
-    if args.shutdown_timeout < 0 or args.watchdog_timeout <= 0:
-        parser.error("--shutdown-timeout must be >= 0 and --watchdog-timeout > 0")
+    if args.shutdown_timeout < 0 or args.watchdog_timeout < 1:
+        parser.error("--shutdown-timeout must be >= 0 and --watchdog-timeout >= 1 (the idle "
+                     "engine core answers every 0.2 s)")
+    if args.watchdog_exit_timeout is not None and \
+            args.watchdog_exit_timeout < args.watchdog_timeout:
+        parser.error("--watchdog-exit-timeout must be >= --watchdog-timeout")
+    if args.max_request_body_bytes < 1:
+        parser.error("--max-request-body-bytes must be >= 1")
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         config = engine_config_from_args(args)
@@ -198,13 +214,17 @@ def main(argv: list[str] | None = None) -> None:
     settings = ServerSettings(
         model_name=model_name, max_queued_requests=args.max_queued_requests, max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request, api_key=args.api_key,
-        log_interval=args.log_interval, watchdog_timeout=args.watchdog_timeout,
+        max_body_bytes=args.max_request_body_bytes, log_interval=args.log_interval,
+        watchdog_timeout=args.watchdog_timeout,
+        watchdog_exit_timeout=args.watchdog_exit_timeout,
         shutdown_timeout=args.shutdown_timeout, enable_docs=not args.disable_fastapi_docs)
     if sock is not None:
-        options = ApiServerOptions(settings, args.host, args.port, args.log_level)
+        options = ApiServerOptions(settings, args.host, args.port, args.log_level,
+                                   HttpLimits.from_args(args))
         sys.exit(run_api_servers(core, sock, options))
     app = create_app(CoreClient(core.info, owner=core), settings)
-    serve_app(app, args.host, args.port, args.log_level, args.shutdown_timeout)
+    sys.exit(serve_app(app, args.host, args.port, args.log_level, args.shutdown_timeout,
+                       limits=HttpLimits.from_args(args)))
 
 
 def served_name_of(model: str) -> str:

@@ -13,8 +13,9 @@ when one process's per-token work (detokenizing, SSE, HTTP) cannot keep up with 
 - SIGTERM or Ctrl-C here: SIGTERM to every API server (each drains as a single server does),
   then Shutdown to the core. The API servers sit in their own process group, so a Ctrl-C
   reaches them only through this process, once.
-- An API server exiting on its own takes the others down (exit 1: the orchestrator restarts
-  the pod). A dead core is reported by every API server, as by a single one (/health 503).
+- An API server exiting on its own, or the core exiting, takes the others down (exit 1: the
+  orchestrator restarts the pod). Each API server fails its open streams first, as a single
+  one does; a hung core makes every API server exit once its watchdog gives up.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -32,7 +34,7 @@ from types import FrameType
 from server.app import ServerSettings, create_app
 from server.core_client import CoreClient
 from server.engine_process import CoreInfo, EngineProcess, die_with_parent
-from server.http_server import STREAM_END_GRACE, serve_app
+from server.http_server import STREAM_END_GRACE, HttpLimits, serve_app
 
 logger = logging.getLogger("gpt2serve")
 CORE_STOP_TIMEOUT = 5.0  # seconds the core gets to stop once every API server has
@@ -45,6 +47,7 @@ class ApiServerOptions:
     host: str
     port: int
     log_level: str
+    limits: HttpLimits = HttpLimits()
 
 
 def run_api_servers(core: EngineProcess, sock: socket.socket, options: ApiServerOptions) -> int:
@@ -68,7 +71,7 @@ def run_api_servers(core: EngineProcess, sock: socket.socket, options: ApiServer
 
 
 def _supervise(servers: list[multiprocessing.process.BaseProcess], core: EngineProcess) -> bool:
-    """Wait for SIGTERM/SIGINT (False) or an API server's own exit (True)."""
+    """Wait for SIGTERM/SIGINT (False), or an API server's or the core's own exit (True)."""
     stop_requested = False
 
     def request_stop(sig: int, frame: FrameType | None) -> None:
@@ -85,10 +88,10 @@ def _supervise(servers: list[multiprocessing.process.BaseProcess], core: EngineP
             logger.error("API server %s exited with code %s; stopping the others",
                          exited[0].name, exited[0].exitcode)
             return True
-        if core.sentinel in watched and core.exitcode is not None:
-            logger.error("the engine core exited with code %s; the API servers answer 503",
+        if core.exitcode is not None:
+            logger.error("the engine core exited with code %s; stopping the API servers",
                          core.exitcode)
-            watched.remove(core.sentinel)  # a dead process's sentinel stays readable
+            return True
     return False
 
 
@@ -122,5 +125,5 @@ def _api_server_main(index: int, sock: socket.socket, info: CoreInfo,
     logging.basicConfig(level=options.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [api {index}] %(name)s: %(message)s")
     app = create_app(CoreClient(info, index), options.settings)
-    serve_app(app, options.host, options.port, options.log_level,
-              options.settings.shutdown_timeout, sock)
+    sys.exit(serve_app(app, options.host, options.port, options.log_level,
+                       options.settings.shutdown_timeout, sock, options.limits))

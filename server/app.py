@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -24,12 +25,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.output.tokenizer import Tokenizer
 from server.async_engine import (AsyncEngine, CoreConnection, RequestFailed, server_error,
                                  shutting_down)
-from server.completions import CompletionService
+from server.completions import CompletionService, off_loop_if_long
 from server.metrics import ServerMetrics, ThroughputLog
 from server.protocol import (CompletionRequest, DetokenizeRequest, Limits, RequestError,
                              TokenizeRequest, check_tokens_in_vocab, parse_model,
@@ -42,13 +44,14 @@ ENGINE_STOP_TIMEOUT = 1.0  # seconds the lifespan waits for the engine loop to e
 @dataclass(frozen=True)
 class ServerSettings:
     model_name: str
-    max_queued_requests: int = 256  # sequences (prompts x n) waiting before 503
+    max_queued_requests: int = 20_000  # sequences (prompts x n) waiting before 503
     max_n: int = 16
     max_prompts_per_request: int = 2048
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     log_interval: float = 10.0  # seconds between throughput lines; 0 turns them off
-    watchdog_timeout: float = 60.0  # a step older than this, with work pending: /health 503
+    watchdog_timeout: float = 60.0  # the core silent this long: requests fail, /health 503
+    watchdog_exit_timeout: float | None = None  # silent this long: exit (None: 2x the above)
     shutdown_timeout: float = 30.0  # after SIGTERM, open streams end with an error after this
     enable_docs: bool = True  # /openapi.json and /docs
 
@@ -67,7 +70,8 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name, core.max_model_len,
                             counts_engine_totals=core.client_index == 0)
     async_engine = AsyncEngine(core, tokenizer, settings.max_queued_requests,
-                               settings.watchdog_timeout, observe_output=metrics.observe_output,
+                               settings.watchdog_timeout, settings.watchdog_exit_timeout,
+                               observe_output=metrics.observe_output,
                                observe_stats=metrics.observe_stats)
     limits = Limits(tokenizer.vocab_size, core.max_model_len, settings.max_n,
                     settings.max_prompts_per_request)
@@ -91,6 +95,7 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
     app.state.async_engine, app.state.metrics = async_engine, metrics
     app.state.begin_shutdown = functools.partial(_begin_shutdown, async_engine,
                                                   settings.shutdown_timeout)
+    async_engine.on_fatal = functools.partial(_exit_server, app)
     _add_error_handlers(app)
     _add_routes(app, service, metrics, settings)
     if settings.api_key:
@@ -105,13 +110,21 @@ def _begin_shutdown(async_engine: AsyncEngine, timeout: float) -> None:
     asyncio.get_running_loop().call_later(timeout, async_engine.fail_open, shutting_down)
 
 
+def _exit_server(app: FastAPI) -> None:
+    """The core is lost: stop serving and exit non-zero (server/http_server.py sets
+    `stop_server`; an app served some other way, as in tests, keeps running)."""
+    stop_server = getattr(app.state, "stop_server", None)
+    if stop_server is not None:
+        stop_server(1)
+
+
 async def _log_throughput(log: ThroughputLog, async_engine: AsyncEngine,
                           interval: float) -> None:
     while interval > 0:
         await asyncio.sleep(interval)
         if async_engine.stats is not None:
             logger.info(log.line(async_engine.stats, async_engine.num_waiting,
-                                 async_engine.step_age()))
+                                 async_engine.silence()))
 
 
 def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics,
@@ -130,9 +143,13 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
             "owned_by": "gpt2-serve", "root": settings.model_name, "parent": None,
             "max_model_len": limits.max_model_len}]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200 if async_engine.healthy else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's name for /health
+    async def ping() -> Response:
+        return await health()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -146,7 +163,7 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
     async def tokenize(request: Request) -> dict[str, Any]:
         req = parse_model(TokenizeRequest, await read_json_body(request, settings))
         service.check_model(req.model)
-        tokens = service.encode(req.prompt)
+        tokens = (await service.encode_prompts([req.prompt]))[0]
         return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize", openapi_extra=request_body_schema(DetokenizeRequest))
@@ -154,30 +171,80 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
         req = parse_model(DetokenizeRequest, await read_json_body(request, settings))
         service.check_model(req.model)
         check_tokens_in_vocab(req.tokens, limits.vocab_size, param="tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        return {"prompt": await off_loop_if_long(len(req.tokens), tokenizer.decode,
+                                                 req.tokens)}
 
 
 async def read_json_body(request: Request, settings: ServerSettings) -> Any:
-    """The body as JSON, refusing it (400) past the size cap without reading it all."""
+    """The body as JSON. Refused: past the size cap (413, without reading it all), not
+    JSON-typed, not UTF-8, or holding a lone surrogate (400): nothing the engine cannot
+    encode gets past here."""
+    _check_content_type(request)
     limit = settings.max_body_bytes
-    too_big = RequestError(f"the request body is larger than {limit} bytes",
-                           code="body_too_large")
+    too_big = RequestError(f"the request body is larger than {limit} bytes "
+                           "(--max-request-body-bytes)", code="body_too_large", status=413)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_big
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_big
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+    except ClientDisconnect:  # nobody reads the answer: no traceback, no work
+        raise RequestError("the client disconnected", code="client_disconnected",
+                           status=499) from None
     try:  # msgspec: ~4x the stdlib's speed on a 512-token prompt
         return msgspec.json.decode(body)
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"the request body is not valid UTF-8: {exc.reason} at byte "
+                           f"{exc.start}", code="invalid_json") from None
     except (msgspec.DecodeError, RecursionError):
-        pass  # the stdlib also takes NaN and 1e400, so the check names the field they hit
+        pass  # the stdlib also takes NaN, 1e400 and escaped lone surrogates: checked below
     try:
-        return json.loads(body)
+        parsed = json.loads(body.decode("utf-8"))
     except (ValueError, RecursionError) as exc:
         raise RequestError(f"malformed JSON body: {exc}", code="invalid_json") from None
+    where = lone_surrogate_at(parsed)
+    if where is not None:
+        raise RequestError(f"{where or 'the body'} holds a lone UTF-16 surrogate (an unpaired "
+                           "\\ud800-\\udfff escape), which is not text", param=where or None)
+    return parsed
+
+
+def _check_content_type(request: Request) -> None:
+    """As vLLM: a body sent as something other than JSON is refused, not guessed at."""
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind and kind != "application/json" and not kind.endswith("+json"):
+        raise RequestError(f"unsupported content type {kind!r}: send application/json",
+                           code="unsupported_media_type", status=415)
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The path ("stop[0]") of the first string, or key, holding a lone surrogate; None if
+    there is none. Such a string cannot be encoded as UTF-8, so it must not reach the core."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            # the key's own surrogates escaped: the path goes into the error's JSON
+            where = path + ("." if path else "") + key.encode("utf-8", "backslashreplace"
+                                                              ).decode()
+            if _SURROGATE.search(key):
+                return where
+            found = lone_surrogate_at(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = lone_surrogate_at(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _error_response(err: RequestError) -> JSONResponse:
@@ -214,28 +281,27 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(server_error("internal server error", "internal_error"))
 
 
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})  # probes and scrapers
+
+
 class ApiKeyMiddleware:
-    """Bearer-token check on every /v1 route. Both the raw path and the decoded path (what the
-    router matches) are tested, so no percent-encoding of "/v1" slips past the check."""
+    """Bearer-token check on every route but OPEN_PATHS. The path tested is the decoded one
+    the router matches, and only an exact match is open: no spelling of another route (a
+    percent-encoding, a trailing slash, a dot segment) escapes the check."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self._protected(scope) and not self._authorized(scope):
+        if (scope["type"] == "http" and scope.get("path") not in OPEN_PATHS
+                and not self._authorized(scope)):
             response = JSONResponse(RequestError("invalid or missing API key", code="401",
                                                  status=401).body(), status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
-
-    @staticmethod
-    def _protected(scope: Scope) -> bool:
-        raw_path = scope.get("raw_path") or b""
-        paths = (raw_path.decode("latin-1").split("?", 1)[0], scope.get("path", ""))
-        return any(path.lstrip("/").lower().startswith("v1") for path in paths)
 
     def _authorized(self, scope: Scope) -> bool:
         given = dict(scope.get("headers", [])).get(b"authorization", b"")

@@ -8,8 +8,11 @@ what `gpt2-serve` runs) or a thread (server/core_thread.py, for tests).
                                    └──AbortSequences (stop strings, disconnects)──▶ core
 
 Everything here runs on the event loop. Failure containment: a failure while handling one
-request's output fails that request only; a dead core (CoreFailed, or its process gone) fails
-every request and turns `healthy` False (/health answers 503).
+request's output fails that request only. The core speaks at least 5 times a second, so its
+silence is the watchdog's measure, whatever the clients do: past `watchdog_timeout` every open
+request fails with a 503 and /health answers 503; a dead core (CoreFailed, or its process
+gone), or one silent past `watchdog_exit_timeout`, fails every request and calls `on_fatal`,
+with which the server exits non-zero to be restarted.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
+
+import msgspec
 
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, EngineStats,
                                   FromCore, SequenceFailed, StepOutput, ToCore)
@@ -149,50 +154,86 @@ class Generation:
 class AsyncEngine:
     def __init__(self, connection: CoreConnection, tokenizer: Tokenizer,
                  max_queued_requests: int, watchdog_timeout: float = 60.0,
+                 watchdog_exit_timeout: float | None = None,
                  observe_output: Callable[[RequestOutput, bool], None] = lambda o, f: None,
                  observe_stats: Callable[[EngineStats], None] = lambda s: None) -> None:
+        """`watchdog_timeout`: seconds of the core's silence after which open requests fail
+        and /health says 503; `watchdog_exit_timeout` (default twice that): after which the
+        core counts as lost for good and `on_fatal` is called."""
         self.connection = connection
         self.processor = OutputProcessor(tokenizer)
         self.max_queued_requests = max_queued_requests
         self.watchdog_timeout = watchdog_timeout
+        self.watchdog_exit_timeout = watchdog_exit_timeout or 2 * watchdog_timeout
         self.observe_output = observe_output
         self._observe_stats = observe_stats
+        # called once when the core is dead, or silent past watchdog_exit_timeout: the server
+        # exits non-zero so that its supervisor (Kubernetes, Docker, systemd) restarts it
+        self.on_fatal: Callable[[], None] = lambda: None
         self.num_waiting = 0  # sequences with no output yet
         self.stats: EngineStats | None = None  # the core's state after its latest step
         self._routes: dict[str, tuple[Generation, int]] = {}  # engine request id -> owner
         self._steps: list[StepOutput] = []  # delivered, applied once the batch is in
         self._accepting = False
-        self._last_progress = time.monotonic()  # the core's latest step, or work arriving
+        self._last_heard = time.monotonic()  # the core's latest message
+        self._silent = False  # the watchdog has tripped and the core has not spoken since
+        self._watchdog: asyncio.Task[None] | None = None
 
     @property
     def healthy(self) -> bool:
-        """Serving, and not stalled: the core stepped within the watchdog limit, or has
-        nothing to do."""
+        """Serving, and the core alive and heard from within the watchdog limit."""
         return (self._accepting and self.connection.is_alive()
-                and self.step_age() <= self.watchdog_timeout)
+                and self.silence() <= self.watchdog_timeout)
 
-    def step_age(self) -> float:
-        """Seconds since the core's last step while it has work (0 when it has none)."""
-        if not self.processor.has_unfinished():
-            return 0.0
-        return time.monotonic() - self._last_progress
+    def silence(self) -> float:
+        """Seconds since the core's latest message. A live core sends one per step, and one
+        every engine_core.IDLE_WAIT when idle, so this grows only when it is stuck."""
+        return time.monotonic() - self._last_heard
 
     def start(self) -> None:
+        self._last_heard = time.monotonic()
         self.connection.start(self._deliver)
         self._accepting = True
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch())
 
     async def stop(self, timeout: float) -> None:
         """Stop the core (the HTTP server drained first), waiting at most `timeout` seconds:
         a wedged core must not keep the process alive."""
         self._accepting = False
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         await self.connection.stop(timeout)
         self.fail_open(shutting_down)
 
-    def generate(self, request_id: str, prompts: list[list[int]],
-                 params: SamplingParams) -> Generation:
+    def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 cache_salt: str | None = None) -> Generation:
         """Queue one engine request per prompt. A request costs P prompts x n choices
         sequences against the queue cap: 400 if it could never fit, 503 when the queue is
-        too full now or the engine is dead. Input the engine cannot take is a 400."""
+        too full now or the engine is down. Input the engine cannot take is a 400.
+        Transactional: the request is counted and routed only once its message has been
+        encoded and sent; if anything before that fails, nothing of it remains.
+        `cache_salt`: its prefix-cache tenant (vLLM's field)."""
+        self._check_admission(prompts, params)
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        arrival = time.monotonic()
+        try:
+            sequences = [sequence for rid, prompt in zip(ids, prompts)
+                         for sequence in self.processor.add(rid, None, prompt, params, arrival,
+                                                            cache_salt=cache_salt)]
+            self.connection.send(AddSequences(sequences, self.connection.client_index))
+        except Exception as exc:
+            for rid in ids:
+                self.processor.abort(rid)
+            if isinstance(exc, (OverflowError, TypeError, ValueError)):  # msgpack refused it
+                raise RequestError(f"the request holds a value the engine cannot take: "
+                                   f"{exc}", code="invalid_value") from None
+            raise
+        generation = Generation(self, ids, params.n)
+        for index, rid in enumerate(ids):
+            self._routes[rid] = (generation, index)
+        return generation
+
+    def _check_admission(self, prompts: list[list[int]], params: SamplingParams) -> None:
         cost, cap = len(prompts) * params.n, self.max_queued_requests
         if cost > cap:
             raise RequestError(f"this request asks for {cost} sequences ({len(prompts)} "
@@ -200,8 +241,8 @@ class AsyncEngine:
                                param="prompt", code="too_many_sequences")
         if self.num_waiting + cost > cap:
             raise server_error(
-                f"the server has {self.num_waiting} sequences waiting (limit {cap}); "
-                "retry shortly", "queue_full", 503)
+                f"the server has {self.num_waiting} sequences waiting (limit {cap}, "
+                "--max-queued-requests); retry shortly", "queue_full", 503)
         if not self.healthy:
             raise server_error("the engine is not running", "engine_dead", 503)
         for prompt in prompts:
@@ -211,17 +252,6 @@ class AsyncEngine:
             except ValueError as exc:
                 raise RequestError(str(exc), param="max_tokens",
                                    code="context_length_exceeded") from None
-        if not self.processor.has_unfinished():
-            self._last_progress = time.monotonic()  # the watchdog's clock starts now
-        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        generation = Generation(self, ids, params.n)
-        arrival = time.monotonic()
-        sequences = []
-        for index, (rid, prompt) in enumerate(zip(ids, prompts)):
-            sequences += self.processor.add(rid, None, prompt, params, arrival)
-            self._routes[rid] = (generation, index)
-        self.connection.send(AddSequences(sequences, self.connection.client_index))
-        return generation
 
     def abort(self, request_id: str) -> None:
         self._routes.pop(request_id, None)
@@ -230,18 +260,53 @@ class AsyncEngine:
             self.connection.send(AbortSequences(seq_ids))
 
     def fail_open(self, failure: Callable[[], RequestFailed]) -> None:
-        """End every open request now with a `failure()` each (a dead core, or the shutdown
-        deadline passed): a stream sends an error event and [DONE] instead of being cut off."""
+        """End every open request now with a `failure()` each (a dead or hung core, or the
+        shutdown deadline passed): a stream sends an error event and [DONE] instead of
+        being cut off."""
         generations = {generation for generation, _ in self._routes.values()}
         for generation in generations:
             generation.on_failure(failure())
             generation.close()
+
+    async def _watch(self) -> None:
+        """Trip at watchdog_timeout of silence (fail every open request, /health 503, a log
+        line), recover if the core speaks again, give up at watchdog_exit_timeout."""
+        period = min(1.0, self.watchdog_timeout / 4)  # a trip is seen within a quarter
+        while True:
+            await asyncio.sleep(period)
+            silence = self.silence()
+            if silence > self.watchdog_exit_timeout:
+                logger.critical("watchdog: the engine core has not answered for %.1f s "
+                                "(--watchdog-exit-timeout %.1f s); exiting so that the server "
+                                "is restarted", silence, self.watchdog_exit_timeout)
+                self._lose_core()
+                return
+            if silence > self.watchdog_timeout and not self._silent:
+                self._silent = True
+                logger.error("watchdog: the engine core has not answered for %.1f s "
+                             "(--watchdog-timeout); failing %d open requests, /health says "
+                             "503", silence, len(self._routes))
+                self.fail_open(lambda: RequestFailed(
+                    "the engine core is not responding", 503, "engine_hung"))
+
+    def _lose_core(self) -> None:
+        """The core is dead or hung for good: refuse new work, zero the gauges, and have
+        the server exit."""
+        self._accepting = False
+        if self.stats is not None:  # the cumulative counters stay as they were
+            self._observe_stats(msgspec.structs.replace(
+                self.stats, num_running=0, num_waiting=0, kv_cache_usage=0.0))
+        self.on_fatal()
 
     # ---- messages from the core, on the event loop ----
     def _deliver(self, message: FromCore) -> None:
         """Steps delivered together (the connection drains every message that has arrived in
         one go) are applied together, once the batch is in: one output per request for all
         of them. Any other message applies the steps before it first."""
+        self._last_heard = time.monotonic()
+        if self._silent:
+            self._silent = False
+            logger.warning("watchdog: the engine core answers again")
         if isinstance(message, StepOutput):
             if not self._steps:
                 asyncio.get_running_loop().call_soon(self._on_steps)
@@ -251,15 +316,15 @@ class AsyncEngine:
         if isinstance(message, SequenceFailed):
             self._fail_request(message.seq_id.rsplit("#", 1)[0], message.message)
         elif isinstance(message, CoreFailed):
-            logger.error("%s", message.message)
-            self._accepting = False
+            logger.error("%s; failing %d open requests and exiting", message.message,
+                         len(self._routes))
             self.fail_open(lambda: RequestFailed(message.message))
+            self._lose_core()
 
     def _on_steps(self) -> None:
         steps, self._steps = self._steps, []
         if not steps:
             return
-        self._last_progress = time.monotonic()
         self.stats = steps[-1].stats
         self._observe_stats(self.stats)  # gauges, and counters from cumulative counts
         outputs, to_abort = self.processor.process(*steps)

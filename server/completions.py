@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request
@@ -28,6 +28,7 @@ from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionReq
                              parse_completion_request, parse_prompt, to_sampling_params)
 
 SSE_DONE = b"data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 def sse_event(payload: Any) -> bytes:
@@ -46,9 +47,10 @@ class CompletionService:
     async def create(self, http_request: Request, body: Any) -> Response:
         req = parse_completion_request(body, self.limits)
         self.check_model(req.model)
-        prompts = self._tokenize_prompts(req)
+        prompts = await self.encode_prompts(parse_prompt(req.prompt, self.limits))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation = self.engine.generate(request_id, prompts, self._sampling_params(req))
+        generation = self.engine.generate(request_id, prompts, self._sampling_params(req),
+                                          req.cache_salt)
         watcher = asyncio.create_task(_cancel_on_disconnect(http_request, generation))
         reply = _Reply(self, req, request_id, prompts)
         if req.stream:
@@ -62,10 +64,12 @@ class CompletionService:
                                f"`{self.model_name}`", param="model", code="model_not_found",
                                status=404)
 
-    def _tokenize_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        return [self.encode(p) for p in parse_prompt(req.prompt, self.limits)]
+    async def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Every prompt's token ids; long texts are tokenized off the event loop."""
+        size = sum(len(p) for p in prompts)
+        return await off_loop_if_long(size, lambda: [self._encode(p) for p in prompts])
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def _encode(self, prompt: str | list[int]) -> list[int]:
         """The engine's prompt rules (tokenizing, the vocabulary), as 400s."""
         try:
             return self.tokenizer.encode_prompt(prompt)
@@ -80,6 +84,19 @@ class CompletionService:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+# Below this many characters (or token ids) tokenizing takes under half a millisecond, less
+# than a hop to a thread and back; above, it leaves the event loop (tiktoken releases the
+# GIL), so one 4 MB prompt cannot stall every stream and /health for a second.
+INLINE_WORK = 4096
+
+
+async def off_loop_if_long(size: int, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)`, in a worker thread when `size` says it is long."""
+    if size <= INLINE_WORK:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
 
 
 async def _cancel_on_disconnect(http_request: Request, generation: Generation) -> None:

@@ -52,10 +52,11 @@ class CoreThread:
     def _run(self) -> None:
         run_core_loop(self.core, self._receive, self._send)
 
-    def _receive(self, block: bool) -> list[ToCore]:
+    def _receive(self, timeout: float) -> list[ToCore]:
         messages = []
         try:
-            messages.append(self._inbox.get(block=block))
+            messages.append(self._inbox.get(timeout=timeout) if timeout else
+                            self._inbox.get_nowait())
             while True:
                 messages.append(self._inbox.get_nowait())
         except queue.Empty:

@@ -13,7 +13,7 @@ receiver is up waits in the sender's queue and a send never blocks.
 
 Messages are msgspec Structs encoded as msgpack (engine/core/messages.py). The core process
 dies with its parent: the kernel kills it when its parent dies (PR_SET_PDEATHSIG), and its idle
-loop checks its parent too. It ignores SIGINT: a Ctrl-C reaches the whole process group, and
+loop checks its parent each time it waits in vain. It ignores SIGINT: a Ctrl-C reaches the whole process group, and
 the server's shutdown (drain, then Shutdown) decides when the core stops.
 """
 from __future__ import annotations
@@ -37,7 +37,6 @@ from engine.core.config import EngineConfig
 from engine.core.messages import FromCore, Shutdown, ToCore
 from server.client_router import ClientRouter
 
-PARENT_CHECK_MS = 1000  # how often an idle core looks for its parent
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every process logs alike
 logger = logging.getLogger("gpt2serve.engine")
 
@@ -176,14 +175,21 @@ def _core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
     decoder, encoder = msgspec.msgpack.Decoder(ToCore), msgspec.msgpack.Encoder()
     router = ClientRouter(len(pushes))
 
-    def receive(block: bool) -> list[ToCore]:
-        while block and not pull.poll(PARENT_CHECK_MS):
-            if os.getppid() != parent_pid:
-                raise SystemExit("the server process is gone")
+    def receive(timeout: float) -> list[ToCore]:
+        if timeout and not pull.poll(int(timeout * 1000)) and os.getppid() != parent_pid:
+            raise SystemExit("the server process is gone")
         messages = []
         while pull.poll(0):
-            messages.append(decoder.decode(pull.recv()))
-            router.note(messages[-1])
+            frame = pull.recv()
+            try:
+                message = decoder.decode(frame)
+                router.note(message)
+            except (msgspec.DecodeError, ValueError) as exc:
+                # only a process of the server's own user can reach the socket (0700 dir)
+                logger.warning("dropped a malformed message to the engine core (%d bytes): "
+                               "%s", len(frame), exc)
+                continue
+            messages.append(message)
         return messages
 
     def send(message: FromCore) -> None:

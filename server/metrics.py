@@ -186,7 +186,7 @@ class ThroughputLog:
         self.metrics = metrics
         self._last = (time.monotonic(), 0, 0)
 
-    def line(self, stats: EngineStats, server_waiting: int, step_age: float) -> str:
+    def line(self, stats: EngineStats, server_waiting: int, core_silence: float) -> str:
         now = time.monotonic()
         prompt, generation = (self.metrics.total_prompt_tokens,
                               self.metrics.total_generation_tokens)
@@ -199,5 +199,5 @@ class ThroughputLog:
                 f"running {stats.num_running}, waiting {stats.num_waiting} "
                 f"(server queue {server_waiting}), KV cache {stats.kv_cache_usage:.1%}, "
                 f"prefix hit rate {hit_rate:.1%}, preemptions {stats.num_preemptions}, "
-                f"step age {step_age:.1f} s"
+                f"core silent {core_silence:.1f} s"
                 + ("" if stats.spec is None else ", " + spec_summary(stats.spec)))

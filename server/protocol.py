@@ -65,7 +65,7 @@ class CompletionRequest(_Strict):
     """POST /v1/completions. `None` means "use the default", as OpenAI clients send nulls."""
     model: str | None = None
     prompt: Any = None
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None
     temperature: Annotated[StrictFloat, Field(ge=0.0)] | None = None
     top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -82,12 +82,13 @@ class CompletionRequest(_Strict):
     user: str | None = None
     suffix: str | None = None
     # vLLM extras
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=2.0)] | None = None
     ignore_eos: StrictBool | None = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # per-tenant prefix cache
 
     @property
     def include_usage(self) -> bool:

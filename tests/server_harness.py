@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -23,8 +24,9 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, checkpoint: Path, log_path: Path, *flags: str,
-                 module: str = "server") -> None:
-        """`module`: what `python -m` runs; tests/stress/faulty_server.py wraps `server`."""
+                 module: str = "server", rlimit_nofile: int | None = None) -> None:
+        """`module`: what `python -m` runs; tests/stress/faulty_server.py wraps `server`.
+        `rlimit_nofile`: the server's soft and hard limit on open files (default: ours)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -35,7 +37,10 @@ class ServerProcess:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(command, cwd=ROOT, stdout=self._log,
                                      stderr=subprocess.STDOUT, env={**os.environ,
-                                                                    "PYTHONUNBUFFERED": "1"})
+                                                                    "PYTHONUNBUFFERED": "1"},
+                                     preexec_fn=None if rlimit_nofile is None else
+                                     lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                                (rlimit_nofile, rlimit_nofile)))
         self._wait_healthy()
 
     def _wait_healthy(self, timeout: float = 120.0) -> None:

@@ -8,9 +8,18 @@ from hypothesis import strategies as st
 from engine.core.block_manager import BlockManager, block_key
 
 
-def admit_prompt(bm: BlockManager, rid: str, tokens: list[int]) -> list[int]:
-    cached = bm.find_cached_prefix(tokens)
-    assert bm.admit(rid, tokens, cached, len(tokens) - len(cached) * bm.block_size)
+def admit_prompt(bm: BlockManager, rid: str, tokens: list[int],
+                 cache_salt: str | None = None) -> list[int]:
+    cached = bm.find_cached_prefix(tokens, cache_salt)
+    assert bm.admit(rid, tokens, cached, len(tokens) - len(cached) * bm.block_size, cache_salt)
+    return cached
+
+
+def admit_and_cache(bm: BlockManager, rid: str, tokens: list[int],
+                    cache_salt: str | None = None) -> list[int]:
+    """Admit a prompt and cache its full blocks, as its prefill would; returns its hits."""
+    cached = admit_prompt(bm, rid, tokens, cache_salt)
+    bm.cache_full_blocks(rid, tokens, len(tokens))
     return cached
 
 
@@ -187,3 +196,69 @@ def test_speculative_grow_and_shrink_keep_invariants(num_blocks, block_size, k, 
     for rid in live:
         bm.free(rid)
     assert bm.num_free_blocks == num_blocks
+
+
+PROMPT = list(range(12))  # three full blocks of 4
+
+
+def test_requests_with_different_salts_share_no_block():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    admit_and_cache(bm, "a", PROMPT, cache_salt="tenant-1")
+    assert admit_and_cache(bm, "b", PROMPT, cache_salt="tenant-2") == []
+    assert not set(bm.block_ids("a")) & set(bm.block_ids("b"))
+    assert bm.prefix_hits == 0
+    bm.check_invariants()
+
+
+def test_requests_with_the_same_salt_share_their_prefix():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    admit_and_cache(bm, "a", PROMPT, cache_salt="tenant-1")
+    assert len(admit_and_cache(bm, "b", PROMPT, cache_salt="tenant-1")) == 2
+    assert bm.block_ids("b")[:2] == bm.block_ids("a")[:2]
+    assert bm.prefix_hits == 8
+    bm.check_invariants()
+
+
+def test_salted_and_unsalted_requests_share_nothing():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    admit_and_cache(bm, "plain", PROMPT)
+    assert admit_and_cache(bm, "salted", PROMPT, cache_salt="tenant-1") == []
+    assert not set(bm.block_ids("plain")) & set(bm.block_ids("salted"))
+    # both prefixes are now cached; each lookup finds only its own
+    assert bm.find_cached_prefix(PROMPT) == list(bm.block_ids("plain")[:2])
+    assert bm.find_cached_prefix(PROMPT, "tenant-1") == list(bm.block_ids("salted")[:2])
+    bm.check_invariants()
+
+
+def test_the_salt_changes_only_the_first_key():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    admit_and_cache(bm, "a", PROMPT, cache_salt="tenant-1")
+    k0, k1, k2 = (bm.blocks[b].key for b in bm.block_ids("a"))
+    assert k0 != block_key(b"", PROMPT[:4])
+    assert k1 == block_key(k0, PROMPT[4:8]) and k2 == block_key(k1, PROMPT[8:])
+
+
+@settings(max_examples=100, deadline=None)
+@given(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4]),
+       seed=st.integers(0, 10**6))
+def test_random_tenants_never_share_a_block(num_blocks, block_size, seed):
+    """Requests of random tenants (salt or none) with prompts from a tiny alphabet: every
+    block a request holds under a key was keyed by its own tenant."""
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks, block_size)
+    tenant_of: dict[bytes, str | None] = {}  # block key -> the salt whose request made it
+    live = []
+    for step in range(60):
+        if live and rng.random() < 0.3:
+            bm.free(live.pop(rng.randrange(len(live))))
+            continue
+        salt = rng.choice([None, "x", "y"])
+        tokens = [rng.randrange(2) for _ in range(rng.randint(1, 9))]
+        cached = bm.find_cached_prefix(tokens, salt)
+        if bm.admit(f"r{step}", tokens, cached, len(tokens) - len(cached) * block_size, salt):
+            live.append(f"r{step}")
+            bm.cache_full_blocks(f"r{step}", tokens, len(tokens))
+            for block_id in bm.block_ids(f"r{step}"):
+                if (key := bm.blocks[block_id].key) is not None:
+                    assert tenant_of.setdefault(key, salt) == salt
+        bm.check_invariants()

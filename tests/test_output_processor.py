@@ -2,10 +2,13 @@
 is whole whichever kind asked for it. Fed StepOutputs by hand: no model."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from engine.core.messages import EngineStats, SequenceOutput, StepOutput
+from engine.core.config import EngineConfig
+from engine.core.messages import AddSequences, EngineStats, SequenceOutput, StepOutput, ToCore
 from engine.core.request import SamplingParams
+from engine.llm import LLMEngine
 from engine.output.processor import OutputProcessor
 from engine.output.tokenizer import Tokenizer
 
@@ -78,3 +81,26 @@ def test_steps_applied_together_give_one_output_with_all_their_deltas(tokenizer)
     assert choice.delta_token_ids == [464, 2068, 7586] and choice.delta_text == "The quick brown"
     assert choice.token_ids == [464, 2068, 7586] and output.finished
     assert output.metrics[0].token_times == [1.0, 2.0, 3.0]
+
+
+def test_the_cache_salt_reaches_the_prefix_cache(tokenizer):
+    """add(cache_salt=...) tags every choice's sequence, through msgpack too (the server's
+    way to the core), and the core serves a prefix only to requests of the same salt."""
+    from test_engine_pipeline import PipelinedFakeRunner
+
+    params = SamplingParams(n=2, max_tokens=2, output_kind="final_only")
+    sequences = OutputProcessor(tokenizer).add("r", None, [1, 2], params, 0.0, cache_salt="t")
+    wire = msgspec.msgpack.Decoder(ToCore).decode(
+        msgspec.msgpack.encode(AddSequences(sequences)))
+    assert [seq.cache_salt for seq in wire.sequences] == ["t", "t"]
+
+    engine = LLMEngine(EngineConfig.from_flat(block_size=4, num_kv_blocks=32),
+                       runner=PipelinedFakeRunner(32, 4))
+    prompt, params = list(range(9)), SamplingParams(max_tokens=2, output_kind="final_only")
+    cached = {}
+    for rid, salt in [("first", "t1"), ("other", "t2"), ("none", None), ("same", "t1")]:
+        engine.add_request(rid, prompt, params, cache_salt=salt)
+        while engine.has_unfinished_requests():  # one at a time: each sees the ones before
+            for out in engine.step():
+                cached[rid] = out.metrics[0].num_cached_tokens
+    assert cached == {"first": 0, "other": 0, "none": 0, "same": 8}

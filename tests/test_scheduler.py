@@ -141,6 +141,24 @@ def test_prefix_hit_skips_cached_tokens_and_shares_blocks():
     assert bm.prefix_hits == 40
 
 
+def test_prefix_hits_stay_within_a_cache_salt():
+    """Same prompt, three tenants: only the tenant whose request cached the prefix hits it,
+    and every output still matches the reference (no KV crossed tenants)."""
+    sched, bm, runner = make(block_size=4)
+    shared = list(range(40))
+    first = Request("a", shared + [1], SamplingParams(max_tokens=2), cache_salt="t1")
+    sched.add(first)
+    run_to_completion(sched, bm, runner)
+    later = [Request(rid, shared + [2], SamplingParams(max_tokens=2), cache_salt=salt)
+             for rid, salt in [("other", "t2"), ("none", None), ("same", "t1")]]
+    for req in later:
+        sched.add(req)
+    run_to_completion(sched, bm, runner)
+    assert [req.num_cached_tokens for req in later] == [0, 0, 40]
+    for req in [first, *later]:
+        assert req.output_token_ids == reference_output(req.prompt_token_ids, 2)
+
+
 def test_abort_frees_blocks_and_stops_scheduling():
     sched, bm, runner = make()
     add(sched, "a", list(range(30)), 50)

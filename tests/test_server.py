@@ -207,7 +207,7 @@ def test_context_length_error_states_the_numbers(client):
 def test_oversized_body_and_logit_bias_clamp(http):
     huge = json.dumps({"prompt": "x" * (5 << 20)})
     response = http.post("/v1/completions", content=huge)
-    assert response.status_code == 400 and response.json()["error"]["code"] == "body_too_large"
+    assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
     ok = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
                                             "logit_bias": {"13": 1e6}})
     assert ok.status_code == 200  # values clamp to ±100 instead of failing

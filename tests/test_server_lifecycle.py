@@ -257,6 +257,8 @@ def test_a_failing_output_handler_fails_only_that_request(core):
 def test_a_dying_core_fails_requests_and_turns_unhealthy(core):
     async def scenario():
         async_engine = start_engine(core)
+        lost = asyncio.Event()
+        async_engine.on_fatal = lost.set
         pending = asyncio.create_task(_run(async_engine, "victim", [1, 2], max_tokens=500))
         await asyncio.sleep(0.2)
         core.explode.set()
@@ -266,21 +268,28 @@ def test_a_dying_core_fails_requests_and_turns_unhealthy(core):
         with pytest.raises(RequestError) as refused:
             async_engine.generate("late", [[1]], SamplingParams())
         assert refused.value.status == 503
+        assert lost.is_set()  # the server exits, to be restarted
         await async_engine.stop(timeout=10)
     asyncio.run(scenario())
 
 
-def test_watchdog_reports_a_wedged_core_and_stop_does_not_wait_for_it(core):
+def test_watchdog_fails_requests_of_a_wedged_core_and_stop_does_not_wait_for_it(core):
     async def scenario():
-        async_engine = start_engine(core, watchdog_timeout=0.3)
-        assert async_engine.healthy  # idle: no step is owed
+        async_engine = start_engine(core, watchdog_timeout=0.6, watchdog_exit_timeout=60)
+        await asyncio.sleep(1.5)
+        assert async_engine.healthy  # idle: the core still says it is alive
         core.unwedged.clear()
-        pending = asyncio.create_task(_run(async_engine, "stuck", [1, 2], max_tokens=4))
-        await asyncio.sleep(0.6)
-        assert not async_engine.healthy and async_engine.step_age() > 0.3
-        core.unwedged.set()
-        assert await pending
-        assert async_engine.healthy
+        stuck = asyncio.create_task(_run(async_engine, "stuck", [1, 2], max_tokens=4))
+        with pytest.raises(RequestFailed) as failed:
+            await asyncio.wait_for(stuck, timeout=2)
+        assert failed.value.error.status == 503 and failed.value.error.code == "engine_hung"
+        assert not async_engine.healthy and async_engine.silence() > 0.6
+        core.unwedged.set()  # it answers again: healthy, and serving
+        for _ in range(100):
+            if async_engine.healthy:
+                break
+            await asyncio.sleep(0.02)
+        assert await _run(async_engine, "after", [1, 2], max_tokens=4)
         core.unwedged.clear()
         wedged = asyncio.create_task(_run(async_engine, "wedged", [3], max_tokens=4))
         await asyncio.sleep(0.1)
@@ -290,4 +299,22 @@ def test_watchdog_reports_a_wedged_core_and_stop_does_not_wait_for_it(core):
         with pytest.raises(RequestFailed, match="shutting down"):
             await wedged
         core.unwedged.set()  # let the thread finish
+    asyncio.run(scenario())
+
+
+def test_watchdog_gives_up_on_a_core_silent_past_the_exit_timeout(core):
+    async def scenario():
+        async_engine = start_engine(core, watchdog_timeout=0.6, watchdog_exit_timeout=1.2)
+        lost = asyncio.Event()
+        async_engine.on_fatal = lost.set
+        core.unwedged.clear()
+        stuck = asyncio.create_task(_run(async_engine, "stuck", [1, 2], max_tokens=4))
+        await asyncio.wait_for(lost.wait(), timeout=3)
+        with pytest.raises(RequestFailed):
+            await stuck
+        with pytest.raises(RequestError) as refused:
+            async_engine.generate("late", [[1]], SamplingParams())
+        assert refused.value.status == 503
+        core.unwedged.set()
+        await async_engine.stop(timeout=10)
     asyncio.run(scenario())

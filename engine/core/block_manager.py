@@ -10,6 +10,7 @@ only reads the resulting block tables.
 
 Every full block is keyed by a hash chain: key(i) = sha256(key(i-1) || tokens of block i),
 so a key names the whole prefix up to and including the block, never just its tokens.
+key(-1) is empty, or a hash of the request's cache_salt: blocks are shared within a tenant only.
 Freed blocks keep their key and stay reusable until a new allocation evicts them, oldest
 first (blocks at the tail of a sequence are freed first, so they are evicted first).
 """
@@ -22,6 +23,14 @@ from dataclasses import dataclass, field
 
 BlockKey = bytes
 _ROOT_KEY: BlockKey = b""
+
+
+def _root_key(cache_salt: str | None) -> BlockKey:
+    """The chain's root: empty without a salt. The tag keeps a salted root's hash input apart
+    from any block's tokens (b"cache_sa" read as an int64 is no token id)."""
+    if cache_salt is None:
+        return _ROOT_KEY
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
 
 
 def block_key(parent: BlockKey, token_ids: list[int]) -> BlockKey:
@@ -41,6 +50,7 @@ class _RequestBlocks:
     # a tuple, replaced as the table grows: a step's description holds it without a copy
     block_ids: tuple[int, ...] = ()
     keys: list[BlockKey] = field(default_factory=list)  # keys of the leading full blocks
+    root: BlockKey = _ROOT_KEY  # the parent of keys[0]
 
 
 class BlockManager:
@@ -80,13 +90,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -------------------------------------------------------------- admission
-    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Blocks already holding a prefix of token_ids. At least one token is always left to
-        compute, since its logits are needed to sample."""
+    def find_cached_prefix(self, token_ids: list[int],
+                           cache_salt: str | None = None) -> list[int]:
+        """Blocks already holding a prefix of token_ids, cached by requests of the same
+        cache_salt. At least one token is always left to compute, since its logits are needed
+        to sample."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        key = _ROOT_KEY
+        key = _root_key(cache_salt)
         max_full = (len(token_ids) - 1) // self.block_size
         for i in range(max_full):
             key = block_key(key, token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -97,9 +109,11 @@ class BlockManager:
         return hits
 
     def admit(self, request_id: str, token_ids: list[int], cached: list[int],
-              num_new_tokens: int) -> bool:
+              num_new_tokens: int, cache_salt: str | None = None) -> bool:
         """Take the cached prefix blocks plus fresh blocks for num_new_tokens beyond them.
-        Returns False, changing nothing, when the free pool is too small."""
+        cached is what find_cached_prefix found for the same cache_salt, which also roots the
+        keys of the blocks this request fills. Returns False, changing nothing, when the free
+        pool is too small."""
         assert request_id not in self._requests, f"{request_id} already holds blocks"
         num_tokens = len(cached) * self.block_size + num_new_tokens
         # a cached block with no owner sits in the free queue: taking it uses up a free block
@@ -109,7 +123,7 @@ class BlockManager:
             return False
         self.prefix_queries += len(token_ids)
         self.prefix_hits += len(cached) * self.block_size
-        entry = _RequestBlocks()
+        entry = _RequestBlocks(root=_root_key(cache_salt))
         self._requests[request_id] = entry
         for block_id in cached:
             self._take(block_id)
@@ -153,7 +167,7 @@ class BlockManager:
             return
         entry = self._requests[request_id]
         for i in range(len(entry.keys), num_computed // self.block_size):
-            parent = entry.keys[-1] if entry.keys else _ROOT_KEY
+            parent = entry.keys[-1] if entry.keys else entry.root
             key = block_key(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             entry.keys.append(key)
             block = self.blocks[entry.block_ids[i]]

@@ -36,6 +36,7 @@ from engine.core.scheduler import Scheduler
 from engine.spec.speculator import Speculator, build_speculator
 
 log = logging.getLogger(__name__)
+IDLE_WAIT = 0.2  # seconds an idle core waits for work before it says it is alive
 
 
 class EngineCore:
@@ -59,7 +60,8 @@ class EngineCore:
     def add(self, request: CoreRequest) -> None:
         """Queue a sequence. Raises ValueError with a clear message on bad input."""
         self.scheduler.add(Request(request.seq_id, request.prompt_token_ids, request.params,
-                                   arrival_time=request.arrival_time))
+                                   arrival_time=request.arrival_time,
+                                   cache_salt=request.cache_salt))
         self._num_sent[request.seq_id] = 0
 
     def abort(self, seq_ids: list[str]) -> None:
@@ -125,23 +127,25 @@ class EngineCore:
                            None if spec is None else SpecCounts.of(spec))
 
 
-def run_core_loop(core: EngineCore, receive: Callable[[bool], list[ToCore]],
+def run_core_loop(core: EngineCore, receive: Callable[[float], list[ToCore]],
                   send: Callable[[FromCore], None]) -> None:
     """The core's loop, in a thread or a process of its own. Between steps it applies every
-    message that arrived (blocking for one when there is nothing to step), then steps and
-    sends the StepOutput: a steady stream of them is also the frontend's sign of life.
-    Returns on Shutdown; an exception from a step ends it with CoreFailed."""
+    message that arrived (`receive(timeout)`: what came, waiting up to `timeout` seconds for
+    the first), then steps and sends the StepOutput. With nothing to step it waits at most
+    IDLE_WAIT and sends an empty StepOutput: the core speaks at least once a second, busy or
+    idle, and that is what the frontends' watchdogs time (server/async_engine.py).
+    Returns on Shutdown; an exception from a step ends it with CoreFailed. A malformed frame
+    is the receiver's to drop: it never reaches here."""
     try:
         while True:
-            for message in receive(not core.has_unfinished()):
+            for message in receive(0.0 if core.has_unfinished() else IDLE_WAIT):
                 if isinstance(message, Shutdown):
                     return
                 if isinstance(message, AbortSequences):
                     core.abort(message.seq_ids)
                 else:
                     _add_all(core, message, send)
-            if core.has_unfinished():
-                send(core.step())
+            send(core.step() if core.has_unfinished() else StepOutput([], core.stats()))
     except Exception as exc:  # the core's state is unknown now: stop
         log.exception("engine core loop died")
         send(CoreFailed(f"engine core died: {type(exc).__name__}: {exc}"))

@@ -22,6 +22,7 @@ class CoreRequest(msgspec.Struct, array_like=True, gc=False):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    cache_salt: str | None = None  # prefix-cache tenant: hits only its own cached blocks
 
 
 class SequenceOutput(msgspec.Struct, array_like=True, gc=False):

@@ -133,6 +133,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None  # its prefix-cache tenant: see BlockManager
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

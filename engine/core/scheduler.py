@@ -238,10 +238,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.first()
             tokens = request.all_token_ids
-            cached = self.block_manager.find_cached_prefix(tokens)
+            cached = self.block_manager.find_cached_prefix(tokens, request.cache_salt)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(len(tokens) - num_cached, budget)
-            if not self.block_manager.admit(request.request_id, tokens, cached, num_new):
+            if not self.block_manager.admit(request.request_id, tokens, cached, num_new,
+                                            request.cache_salt):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

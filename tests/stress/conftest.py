@@ -17,12 +17,14 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 def launch(tiny_checkpoint, tmp_path_factory):
     started: list[ServerProcess] = []
 
-    def start(*flags: str, module: str = "server") -> ServerProcess:
+    def start(*flags: str, module: str = "server",
+              rlimit_nofile: int | None = None) -> ServerProcess:
         log = tmp_path_factory.mktemp("srv") / "server.log"
         with pytest.MonkeyPatch.context() as patch:  # the server copies the environment
             for name, value in ONE_THREAD.items():
                 patch.setenv(name, value)
-            started.append(ServerProcess(tiny_checkpoint, log, *flags, module=module))
+            started.append(ServerProcess(tiny_checkpoint, log, *flags, module=module,
+                                         rlimit_nofile=rlimit_nofile))
         return started[-1]
 
     yield start
