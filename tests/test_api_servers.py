@@ -106,23 +106,15 @@ def test_streams_over_two_api_servers_equal_offline_generate(servers, tiny_check
     assert len(api_server_pids(servers)) == 2
 
 
-def test_a_dead_engine_core_turns_every_api_server_unhealthy(tiny_checkpoint, tmp_path):
+def test_a_dead_engine_core_stops_every_api_server_with_exit_1(tiny_checkpoint, tmp_path):
     server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--api-server-count", "2")
+    pids = api_server_pids(server)
     try:
         os.kill(core_pid(server), signal.SIGKILL)
-        # a fresh connection each time: any of the two servers may take it
-        assert wait_for(lambda: all(httpx.get(server.url + "/health", headers={
-            "Connection": "close"}).status_code == 503 for _ in range(8)), timeout=10)
-        before = cpu_seconds(server.proc.pid)
-        time.sleep(2)
-        assert cpu_seconds(server.proc.pid) - before < 0.5  # the supervisor does not spin
+        assert server.proc.wait(timeout=30) == 1  # for the orchestrator to restart it
+        assert wait_for(lambda: not any(map(is_running, pids)), timeout=10)
     finally:
         server.stop()
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def test_sigterm_stops_every_process(servers_to_stop):

@@ -1,5 +1,6 @@
 """Injected engine faults (faulty_server.py): every stream caught in one ends with an error
-event and [DONE] rather than hanging, and /health turns 503."""
+event and [DONE] rather than hanging, and the server exits non-zero to be restarted: at once
+when the core dies, past --watchdog-exit-timeout when one of its steps hangs."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,7 @@ import asyncio
 import httpx
 
 from faulty_server import FAIL_PROMPT, HANG_PROMPT
-from sse_client import Stream, client, sigterm, until
+from sse_client import Stream, client, until
 
 FAULTY = "tests.stress.faulty_server"
 LONG = {"prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": True}
@@ -25,7 +26,7 @@ def ended_with_error(stream: Stream) -> bool:
     return stream.status == 200 and stream.error is not None and stream.done
 
 
-def test_a_failing_step_errors_every_stream_turns_health_503_and_sigterm_exits(launch):
+def test_a_failing_step_errors_every_stream_and_the_server_exits_non_zero(launch):
     server = launch("--num-kv-blocks", "1024", "--shutdown-timeout", "3", module=FAULTY)
 
     async def scenario():
@@ -34,19 +35,16 @@ def test_a_failing_step_errors_every_stream_turns_health_503_and_sigterm_exits(l
             poisoned = Stream({"prompt": FAIL_PROMPT, "max_tokens": 4})
             await asyncio.wait_for(poisoned.run(http), 30)
             await asyncio.wait_for(asyncio.gather(*tasks), 30)
-            health = (await http.get("/health")).status_code
-            late = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-        return streams, poisoned, health, late.status_code, await sigterm(server, [], 3 + 2)
-    streams, poisoned, health, late, seconds_to_exit = asyncio.run(scenario())
+        return streams, poisoned
+    streams, poisoned = asyncio.run(scenario())
     assert all(ended_with_error(s) for s in streams), [vars(s) for s in streams][:2]
-    assert ended_with_error(poisoned) or poisoned.status == 500, vars(poisoned)
-    assert health == 503 and late == 503
-    assert seconds_to_exit <= 3 + 2  # a dead engine core must not hold up the shutdown
+    assert ended_with_error(poisoned) or poisoned.status in (500, 503), vars(poisoned)
+    assert server.proc.wait(timeout=3 + 5) == 1  # a dead core: restart the server
 
 
-def test_a_hung_step_trips_the_watchdog_and_sigterm_still_ends_every_stream(launch):
-    server = launch("--watchdog-timeout", "1", "--shutdown-timeout", "2",
-                    "--num-kv-blocks", "1024", module=FAULTY)
+def test_a_hung_step_errors_every_stream_at_the_watchdog_and_the_server_exits_later(launch):
+    server = launch("--watchdog-timeout", "1", "--watchdog-exit-timeout", "4",
+                    "--shutdown-timeout", "2", "--num-kv-blocks", "1024", module=FAULTY)
 
     async def scenario():
         async with client(server.url) as http:
@@ -57,10 +55,10 @@ def test_a_hung_step_trips_the_watchdog_and_sigterm_still_ends_every_stream(laun
             assert not await unhealthy()
             hung = Stream({"prompt": HANG_PROMPT, "max_tokens": 4})
             tasks.append(asyncio.create_task(hung.run(http)))
-            assert await until(lambda: hung.status == 200, timeout=10)
-            assert await until(unhealthy, timeout=1 + 5)
-            return await sigterm(server, tasks, limit=2 + 2), streams + [hung]
-    seconds_to_exit, streams = asyncio.run(scenario())
-    assert seconds_to_exit <= 2 + 2
+            await asyncio.wait_for(asyncio.gather(*tasks), 1 + 5)
+            assert await unhealthy()
+            return streams + [hung]
+    streams = asyncio.run(scenario())
     assert all(ended_with_error(s) for s in streams)
+    assert server.proc.wait(timeout=4 + 10) == 1
     assert "Traceback" not in server.log()
