@@ -178,19 +178,10 @@ def _core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
     def receive(timeout: float) -> list[ToCore]:
         if timeout and not pull.poll(int(timeout * 1000)) and os.getppid() != parent_pid:
             raise SystemExit("the server process is gone")
-        messages = []
+        frames = []
         while pull.poll(0):
-            frame = pull.recv()
-            try:
-                message = decoder.decode(frame)
-                router.note(message)
-            except (msgspec.DecodeError, ValueError) as exc:
-                # only a process of the server's own user can reach the socket (0700 dir)
-                logger.warning("dropped a malformed message to the engine core (%d bytes): "
-                               "%s", len(frame), exc)
-                continue
-            messages.append(message)
-        return messages
+            frames.append(pull.recv())
+        return decode_frames(frames, decoder, router)
 
     def send(message: FromCore) -> None:
         for client, routed in router.route(message):
@@ -200,6 +191,24 @@ def _core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
     for push in pushes:
         push.close(linger=1000)  # let the last StepOutput or CoreFailed go out
     pull.close(linger=0)
+
+
+def decode_frames(frames: list[bytes], decoder: msgspec.msgpack.Decoder,
+                  router: ClientRouter) -> list[ToCore]:
+    """The messages in these frames, each noted by the router. A frame that is not a valid
+    message is logged and dropped: it must not kill the core (only a process of the server's
+    own user can reach the socket, whose directory is 0700)."""
+    messages = []
+    for frame in frames:
+        try:
+            message = decoder.decode(frame)
+            router.note(message)
+        except (msgspec.DecodeError, ValueError) as exc:
+            logger.warning("dropped a malformed message to the engine core (%d bytes): %s",
+                           len(frame), exc)
+            continue
+        messages.append(message)
+    return messages
 
 
 def die_with_parent() -> None:

@@ -10,12 +10,15 @@ import signal
 import time
 
 import httpx
+import msgspec
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
-                                  EngineStats, SequenceFailed, SequenceOutput, StepOutput)
+                                  EngineStats, SequenceFailed, SequenceOutput, StepOutput,
+                                  ToCore)
 from server.client_router import ClientRouter
+from server.engine_process import decode_frames
 from server_harness import ServerProcess, metric, wait_for
 from test_server_process import core_pid, is_running
 
@@ -61,6 +64,17 @@ def test_a_core_failure_reaches_every_api_server():
 def test_a_sequence_from_an_unknown_api_server_is_a_bug():
     with pytest.raises(ValueError, match="client 2"):
         ClientRouter(2).note(add(2, "x#0"))
+
+
+def test_malformed_frames_to_the_core_are_dropped_not_fatal(caplog):
+    router, decoder = ClientRouter(2), msgspec.msgpack.Decoder(ToCore)
+    good = msgspec.msgpack.encode(add(1, "a#0"))
+    frames = [b"\xc1garbage", msgspec.msgpack.encode({"not": "a message"}),
+              msgspec.msgpack.encode(add(7, "b#0")),  # from an API server that does not exist
+              msgspec.msgpack.encode(["AddSequences", [["c#0", [1], 5, 0.0]], 0]), good]
+    assert decode_frames(frames, decoder, router) == [add(1, "a#0")]
+    assert router.num_live == 1  # a#0 only
+    assert caplog.text.count("dropped a malformed message") == 4
 
 
 @pytest.fixture(scope="module")

@@ -203,6 +203,7 @@ def test_compose_wires_server_prometheus_and_grafana():
     assert {v.split(":")[1] for v in server["volumes"]} == {env["HF_HOME"],
                                                               env["TRITON_CACHE_DIR"]}
     assert int(server["stop_grace_period"].rstrip("s")) > 30  # --shutdown-timeout default
+    assert server["restart"] == "unless-stopped"  # a lost engine core exits the server
     scrape = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"]
     assert scrape[0]["static_configs"][0]["targets"] == [f"gpt2-serve:{DEFAULT_PORT}"]
     provisioning = COMPOSE / "grafana" / "provisioning"
