@@ -123,7 +123,7 @@ def main() -> None:
     for count in counts:  # the last count also runs the low-load and sweep benchmarks
         server, url = launch_server(
             ["--model", checkpoint, "--config", str(preset), "--served-model-name", args.model,
-             "--max-queued-requests", "100000", "--log-interval", "5",
+             "--log-interval", "5",
              "--api-server-count", str(count)],
             out / f"serve_{args.model}_api{count}_server.log", cpus=server_cpus)
         name = f"{args.model}_api{count}"

@@ -6,6 +6,9 @@
 # scripts/bench_spec.py; spec-draft: SPEC_DRAFTS, default gpt2 and the target's copy, each
 # drafting for SPEC_MODEL, results under $OUT/draft-<name>),
 # PROFILE_BATCH (e.g. LATENCY_ARGS=--no-mixed-step-graphs for the eager-prefill side of an A/B);
+# soak: scripts/soak.py on SOAK_MODEL (default gpt2, a random checkpoint) for SOAK_MINUTES
+# (default 10), server flags "--device cuda $SOAK_SERVER_ARGS", soak flags SOAK_ARGS (default
+# --concurrency 64), results under $OUT/soak;
 # GPT2_SERVE_PDL=0 launches the Triton kernels without programmatic dependent launch.
 # The node has torch/triton/transformers but no network: wheels it lacks travel in .whl/ and the
 # plain-PyTorch anchor in .anchor/ (copied from ../shared/anchors/).
@@ -35,6 +38,8 @@ for stage in "$@"; do
         serve) for m in ${MODELS:-gpt2}; do python3 scripts/bench_serve.py --model "$m" --out "$OUT" ${SERVE_ARGS:-}; done 2>&1 | tee "$OUT/serve.log" | grep -v "it/s" ;;
         spec) python3 scripts/bench_spec.py --model "${SPEC_MODEL:-gpt2-xl}" --out "$OUT" ${SPEC_ARGS:-} 2>&1 | tee "$OUT/spec.log" | grep -v "it/s" ;;
         spec-draft) for d in ${SPEC_DRAFTS:-gpt2 ${SPEC_MODEL:-gpt2-xl}}; do python3 scripts/bench_spec.py --model "${SPEC_MODEL:-gpt2-xl}" --draft-model "$d" --out "$OUT/draft-$(basename "$d")" ${SPEC_ARGS:-}; done 2>&1 | tee "$OUT/spec_draft.log" | grep -v "it/s" ;;
+        soak) ckpt=$(cd scripts && python3 -c "from bench_utils import checkpoint_for; print(checkpoint_for('${SOAK_MODEL:-gpt2}'))" | tail -1)
+              python3 scripts/soak.py --minutes "${SOAK_MINUTES:-10}" --model "$ckpt" --server-args "--device cuda ${SOAK_SERVER_ARGS:-}" ${SOAK_ARGS:---concurrency 64} --out "$OUT/soak" 2>&1 | tee "$OUT/soak.log" | tail -60 ;;
         kernels) python3 scripts/bench_kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -30 ;;
         *) echo "unknown stage $stage" ;;
     esac

@@ -1,15 +1,22 @@
 """Soak test: hours of mixed traffic in minutes. Drives a running server (--url) or starts
 `python -m server` itself (--model), for --minutes, with a mix of workloads: streaming and
 whole completions (several prompts, n > 1, logprobs, shared prefixes), clients that hang up
-mid-stream, and bad inputs that must get a 4xx. Every second it samples /metrics (vLLM
-names: KV-cache usage, running and waiting requests), and the RSS and GPU memory of the
-server's processes (the API process and the engine core it spawns).
+mid-stream, and bad inputs that must get a 4xx (among them the reliability attacks: numbers
+past int64, a lone surrogate, bytes that are not UTF-8, a non-JSON content type, a body past
+the size cap). Every second it samples /metrics (vLLM names: KV-cache usage, running and
+waiting requests), /health, and the RSS and GPU memory of the server's processes (the API
+servers and the engine core, each by pid and together; GPU memory per process from
+nvidia-smi, or the whole GPU's where nvidia-smi cannot see the server's pids).
 
 Writes DIR/soak.json (requests served, outcomes, errors by kind, p99 latencies per window,
-memory and block-pool usage over time) and DIR/soak.png. Exits 1 on any 5xx, transport
-error, 4xx on a valid request or lost request (a stream that ended without [DONE], a bad
-input that was served), or when the server does not drain to zero requests and zero
-referenced KV blocks afterwards.
+memory and block-pool usage over time; `rss_growth_mib` and `gpu_memory_growth_mib`: the
+median over the last 10 s of traffic minus that over 10 s from the end of --warmup) and
+DIR/soak.png (skipped without matplotlib). Exits 1 on any 5xx (a 503 included: the soak
+stays far below the queue cap), transport error, 4xx on a valid request or lost request (a
+stream that ended without [DONE], a bad input that was served, a malformed 200), a /health
+that was not 200 or /metrics that did not answer, when the server does not drain to zero
+requests and zero referenced KV blocks afterwards, or when the server it started exits other
+than 0 on SIGTERM.
 
     python scripts/soak.py --minutes 10 --model checkpoints/gpt2-random \\
         --server-args "--device cuda" --concurrency 64 --out docs/benchmarks/h100/soak
@@ -38,10 +45,18 @@ GAUGES = {"kv_cache_usage": "vllm:kv_cache_usage_perc",
 FATAL = ("5xx", "transport", "lost", "4xx_on_valid_input")  # outcomes that fail the soak
 
 
-def bad_inputs(max_model_len: int) -> list[tuple[str, dict[str, Any]]]:
-    """(name, httpx request kwargs) of inputs the server must refuse with a 4xx."""
+HUGE = 10**30  # past int64: msgpack cannot encode it, so it must not get past validation
+
+
+def bad_inputs(max_model_len: int, max_body_bytes: int
+               ) -> list[tuple[str, dict[str, Any], float]]:
+    """(name, httpx request kwargs, weight) of inputs the server must refuse with a 4xx."""
     post = {"method": "POST", "url": "/v1/completions"}
-    return [
+    as_json = {"content-type": "application/json"}
+    # past the cap (413): 4 MiB of upload each time, so built once and sent rarely (its
+    # weight makes it about one bad input in 200)
+    over_cap = b'{"prompt": "' + b"x" * max_body_bytes + b'"}'
+    return [(name, request, 1.0) for name, request in [
         ("malformed_json", {**post, "content": b'{"prompt": [1, 2'}),
         ("empty_body", {**post, "content": b""}),
         ("token_outside_vocab", {**post, "json": {"prompt": [1, 10**9], "max_tokens": 1}}),
@@ -51,7 +66,16 @@ def bad_inputs(max_model_len: int) -> list[tuple[str, dict[str, Any]]]:
         ("n_zero", {**post, "json": {"prompt": "x", "n": 0}}),
         ("wrong_type", {**post, "json": {"prompt": {"a": 1}, "temperature": "hot"}}),
         ("wrong_method", {"method": "GET", "url": "/v1/completions"}),
-    ]
+        ("top_k_past_int64", {**post, "json": {"prompt": "hi", "top_k": HUGE}}),
+        ("seed_past_int64", {**post, "json": {"prompt": "hi", "seed": -HUGE}}),
+        ("min_tokens_past_int64", {**post, "json": {"prompt": "hi", "min_tokens": HUGE}}),
+        # the escaped form: json= cannot encode a lone surrogate, so the raw bytes go
+        ("lone_surrogate_stop", {**post, "headers": as_json,
+                                 "content": b'{"prompt": "hi", "stop": "\\ud800"}'}),
+        ("not_utf8", {**post, "headers": as_json, "content": b'{"prompt": "hi\xff"}'}),
+        ("text_plain", {**post, "headers": {"content-type": "text/plain"},
+                        "content": b'{"prompt": "hi", "max_tokens": 1}'}),
+    ]] + [("body_over_cap", {**post, "headers": as_json, "content": over_cap}, 0.08)]
 
 
 class Soak:
@@ -59,7 +83,7 @@ class Soak:
         self.args, self.url, self.pid = args, url, pid
         self.rng = random.Random(args.seed)
         self.prefixes = [self._tokens(64) for _ in range(4)]  # shared prefixes: cache hits
-        self.bad_requests = bad_inputs(args.max_model_len)
+        self.bad_requests = bad_inputs(args.max_model_len, args.max_request_body_bytes)
         self.start = time.monotonic()
         self.deadline = self.start + args.minutes * 60
         self.records: list[dict[str, Any]] = []  # one per request
@@ -94,6 +118,9 @@ class Soak:
                 record["outcome"] = await getattr(self, kind)(http, record, began)
             except httpx.TransportError as exc:
                 record["outcome"] = f"transport:{type(exc).__name__}"
+            except (ValueError, KeyError, TypeError) as exc:  # a 200 whose body is not right
+                record["outcome"] = f"lost:malformed_response:{type(exc).__name__}"
+                record["detail"] = repr(exc)[:300]
             record["t"] = time.monotonic() - self.start
             record["e2e"] = time.monotonic() - began
             self.records.append(record)
@@ -143,7 +170,8 @@ class Soak:
         return "ok"
 
     async def bad(self, http: httpx.AsyncClient, record: dict[str, Any], began: float) -> str:
-        name, request = self.rng.choice(self.bad_requests)
+        name, request, _ = self.rng.choices(self.bad_requests,
+                                            weights=[w for *_, w in self.bad_requests])[0]
         record["kind"] = f"bad:{name}"
         response = await http.request(**request)
         if 400 <= response.status_code < 500:
@@ -158,11 +186,25 @@ class Soak:
             await asyncio.sleep(self.args.sample_interval)
 
     async def sample(self, http: httpx.AsyncClient) -> dict[str, Any]:
-        text = (await http.get("/metrics")).text
+        """Gauges (None where /metrics did not answer), /health's status (or the transport
+        error's name), and memory: RSS by pid and together, GPU memory."""
+        sample: dict[str, Any] = {"t": time.monotonic() - self.start}
+        try:
+            text = (await http.get("/metrics")).text
+            sample.update({key: metric_value(text, name) for key, name in GAUGES.items()})
+        except httpx.TransportError as exc:
+            sample.update({key: None for key in GAUGES}, metrics_error=type(exc).__name__)
+        try:
+            sample["health"] = (await http.get("/health")).status_code
+        except httpx.TransportError as exc:
+            sample["health"] = type(exc).__name__
         pids = await asyncio.to_thread(process_tree, self.pid)
-        sample = {"t": time.monotonic() - self.start,
-                  **{key: metric_value(text, name) for key, name in GAUGES.items()},
-                  "rss_mib": rss_mib(pids), "gpu_mib": await asyncio.to_thread(gpu_mib, pids)}
+        by_pid = {pid: rss_mib([pid]) for pid in pids}
+        by_pid = {pid: mib for pid, mib in by_pid.items() if mib is not None}
+        gpu, gpu_source = await asyncio.to_thread(gpu_memory, pids)
+        sample.update(rss_mib=sum(by_pid.values()) if by_pid else None,
+                      rss_mib_by_pid={str(pid): round(mib, 1) for pid, mib in by_pid.items()},
+                      gpu_mib=gpu, gpu_source=gpu_source)
         self.samples.append(sample)
         return sample
 
@@ -182,13 +224,15 @@ class Soak:
                                      limits=limits) as http:
             await asyncio.gather(self.sampler(http),
                                  *(self.worker(http) for _ in range(self.args.concurrency)))
+            traffic_end = time.monotonic() - self.start
             drained = await self.drained(http)
-        return summarize(self.records, self.samples, drained, self.args.window)
+        return summarize(self.records, self.samples, drained, self.args.window,
+                         warmup=self.args.warmup, traffic_end=traffic_end)
 
 
 def _status_outcome(status: int, valid: bool) -> str:
-    if status >= 500:
-        return "busy_503" if status == 503 else f"5xx:{status}"
+    if status >= 500:  # a 503 too: the soak's few hundred sequences are far below the cap
+        return f"5xx:{status}"
     if status >= 400:
         return f"4xx_on_valid_input:{status}"
     return "ok" if valid else "lost:bad_input_served"
@@ -228,23 +272,71 @@ def rss_mib(pids: list[int]) -> float | None:
     return total
 
 
-def gpu_mib(pids: list[int]) -> float | None:
-    """GPU memory these processes hold, from nvidia-smi (None without a GPU)."""
+def _nvidia_smi(query: str) -> list[list[str]]:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                              "--format=csv,noheader,nounits"], check=False,
-                             capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
+                             check=False, capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    used = [float(mem) for p, mem in (line.split(",") for line in out.splitlines() if line)
-            if int(p) in pids]
+        return []
+    return [[field.strip() for field in line.split(",")] for line in out.splitlines()
+            if line.strip()]
+
+
+def gpu_mib(pids: list[int]) -> float | None:
+    """GPU memory these processes hold, from nvidia-smi (None without a GPU, or where it
+    lists none of them: in a container it may list the host's pids)."""
+    used = []
+    for row in _nvidia_smi("--query-compute-apps=pid,used_memory"):
+        try:
+            if int(row[0]) in pids:
+                used.append(float(row[1]))
+        except (IndexError, ValueError):  # "[N/A]" and the like
+            continue
     return sum(used) if used else None
 
 
+def gpu_memory(pids: list[int]) -> tuple[float | None, str | None]:
+    """(MiB, source): the server's processes' GPU memory ("processes"), else, with a server
+    to measure, every GPU's used memory together ("device": on a dedicated node, the
+    server's plus the driver's), else (None, None)."""
+    mib = gpu_mib(pids)
+    if mib is not None:
+        return mib, "processes"
+    if not pids:
+        return None, None
+    used = []
+    for row in _nvidia_smi("--query-gpu=memory.used"):
+        try:
+            used.append(float(row[0]))
+        except (IndexError, ValueError):
+            continue
+    return (sum(used), "device") if used else (None, None)
+
+
+def growth(samples: list[dict[str, Any]], key: str, warmup: float, traffic_end: float,
+           span: float = 10.0) -> dict[str, Any] | None:
+    """`key`'s median over the last `span` s of traffic minus its median over `span` s from
+    `warmup` on (the warmed-up point): what a leak adds. None without two such samples."""
+    def median_over(start: float, end: float) -> float | None:
+        values = [s[key] for s in samples if start <= s["t"] < end and s.get(key) is not None]
+        return float(np.median(values)) if values else None
+
+    warm = median_over(warmup, warmup + span)
+    end = median_over(max(traffic_end - span, warmup), traffic_end + 1e-9)
+    if warm is None or end is None:
+        return None
+    return {"warmed_up_s": warmup, "at_warmup": warm, "at_end": end, "growth": end - warm}
+
+
 def summarize(records: list[dict[str, Any]], samples: list[dict[str, Any]], drained: bool,
-              window: float) -> dict[str, Any]:
+              window: float, warmup: float = 0.0, traffic_end: float | None = None
+              ) -> dict[str, Any]:
     outcomes = Counter(r["outcome"] for r in records)
     errors = {k: v for k, v in outcomes.items() if k not in ("ok", "rejected", "disconnected")}
+    traffic_end = traffic_end if traffic_end is not None else \
+        max((s["t"] for s in samples), default=0.0)
+    unhealthy = Counter(str(s["health"]) for s in samples if s.get("health", 200) != 200)
+    metrics_errors = Counter(s["metrics_error"] for s in samples if s.get("metrics_error"))
     windows = []
     for start in np.arange(0, max((r["t"] for r in records), default=0), window):
         inside = [r for r in records if start <= r["t"] < start + window]
@@ -255,31 +347,57 @@ def summarize(records: list[dict[str, Any]], samples: list[dict[str, Any]], drai
                         "p99_e2e_s": p99([r["e2e"] for r in ok]), "p99_ttft_s": p99(ttfts)})
     rss = [s["rss_mib"] for s in samples if s["rss_mib"] is not None]
     gpu = [s["gpu_mib"] for s in samples if s["gpu_mib"] is not None]
-    quarter = max(len(rss) // 4, 1)
+    rss_growth = growth(samples, "rss_mib", warmup, traffic_end)
+    gpu_growth = growth(samples, "gpu_mib", warmup, traffic_end)
+    by_pid: dict[str, Any] = {}  # which process grew: API servers or the engine core
+    for pid in {pid for s in samples for pid in s.get("rss_mib_by_pid", {})}:
+        rows = [{"t": s["t"], "mib": s["rss_mib_by_pid"].get(pid)} for s in samples]
+        grown = growth(rows, "mib", warmup, traffic_end)
+        by_pid[pid] = None if grown is None else round(grown["growth"], 1)
     return {
         "requests": len(records), "served": outcomes["ok"], "outcomes": dict(outcomes),
         "errors_by_kind": errors,
         "error_examples": {r["outcome"]: r.get("detail") for r in records
                            if r["outcome"] in errors},
         "kinds": dict(Counter(r["kind"] for r in records)),
-        "fatal": sum(v for k, v in errors.items() if k.startswith(FATAL)),
+        "fatal": sum(v for k, v in errors.items() if k.startswith(FATAL))
+        + sum(unhealthy.values()) + sum(metrics_errors.values()),
+        "unhealthy_samples": dict(unhealthy), "metrics_errors": dict(metrics_errors),
         "drained": drained, "windows": windows,
-        "rss_mib": {"first": rss[0], "last": rss[-1], "max": max(rss),
-                    "growth_median_last_vs_first_quarter":
-                        float(np.median(rss[-quarter:]) - np.median(rss[:quarter]))}
-        if rss else None,
-        "gpu_mib": {"first": gpu[0], "last": gpu[-1], "max": max(gpu)} if gpu else None,
-        "kv_cache_usage_max": max((s["kv_cache_usage"] for s in samples), default=0.0),
+        "rss_growth_mib": None if rss_growth is None else rss_growth["growth"],
+        "gpu_memory_growth_mib": None if gpu_growth is None else gpu_growth["growth"],
+        "rss_mib": {"first": rss[0], "last": rss[-1], "max": max(rss), "growth": rss_growth,
+                    "growth_by_pid": by_pid} if rss else None,
+        "gpu_mib": {"first": gpu[0], "last": gpu[-1], "max": max(gpu), "growth": gpu_growth,
+                    "source": sorted({s["gpu_source"] for s in samples
+                                      if s.get("gpu_source")})} if gpu else None,
+        "kv_cache_usage_max": max((s["kv_cache_usage"] for s in samples
+                                   if s["kv_cache_usage"] is not None), default=0.0),
         "samples": samples,
     }
+
+
+def process_roles(log_path: Path, root: int) -> dict[str, str]:
+    """pid -> "engine-core", "api-server" or "main", from the server's startup log lines."""
+    roles = {str(root): "main"}
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    for pid in re.findall(r"engine core: pid (\d+)", text):
+        roles[pid] = "engine-core"
+    for pids in re.findall(r"API servers \(pids ([\d ]+)\)", text):
+        roles.update((pid, "api-server") for pid in pids.split())
+    return roles
 
 
 def p99(values: list[float]) -> float | None:
     return float(np.percentile(values, 99)) if values else None
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    """The PNG; False (and no file) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -301,10 +419,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     axes[2].plot(st, series(samples, "rss_mib"), label="server RSS (API + engine core)")
     axes[2].plot(st, series(samples, "gpu_mib"), label="server GPU memory")
     axes[2].set_ylabel("MiB")
-    axes[3].plot(st, [s["kv_cache_usage"] for s in samples], label="KV-cache usage (0-1)")
+    axes[3].plot(st, series(samples, "kv_cache_usage"), label="KV-cache usage (0-1)")
     twin = axes[3].twinx()
-    twin.plot(st, [s["running"] for s in samples], "g:", label="running")
-    twin.plot(st, [s["waiting"] for s in samples], "r:", label="waiting")
+    twin.plot(st, series(samples, "running"), "g:", label="running")
+    twin.plot(st, series(samples, "waiting"), "r:", label="waiting")
     twin.set_ylabel("requests")
     twin.legend(loc="upper right")
     axes[3].set_xlabel("seconds since start")
@@ -316,6 +434,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+    return True
 
 
 def main() -> None:
@@ -337,10 +456,17 @@ def main() -> None:
     parser.add_argument("--sample-interval", type=float, default=1.0)
     parser.add_argument("--window", type=float, help="seconds per latency window "
                         "(default: a twentieth of the run, at most 30)")
+    parser.add_argument("--warmup", type=float, help="seconds after which the server counts "
+                        "as warmed up: memory growth is measured from there to the end "
+                        "(default: a quarter of the run, at most 60)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
+                        help="the server's body cap: the over-cap bad input is a few bytes "
+                        "larger (default: the server's, 4 MiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("soak-out"))
     args = parser.parse_args()
     args.window = args.window or min(30.0, max(1.0, args.minutes * 60 / 20))
+    args.warmup = args.warmup if args.warmup is not None else min(60.0, args.minutes * 60 / 4)
     args.out.mkdir(parents=True, exist_ok=True)
     proc, url = (launch_server(["--model", args.model, *shlex.split(args.server_args)],
                                args.out / "server.log", args.startup_timeout)
@@ -350,11 +476,18 @@ def main() -> None:
     finally:
         shutdown = stop_server(proc) if proc else None
     summary["shutdown"] = shutdown
+    if proc and summary["rss_mib"]:  # name the processes: which one grew
+        roles = process_roles(args.out / "server.log", proc.pid)
+        summary["rss_mib"]["growth_by_pid"] = {
+            f"{pid} {roles.get(pid, 'other')}": grown
+            for pid, grown in summary["rss_mib"]["growth_by_pid"].items()}
     (args.out / "soak.json").write_text(json.dumps(summary, indent=1))
-    plot(summary, args.out / "soak.png")
+    if not plot(summary, args.out / "soak.png"):
+        print("matplotlib is not installed: no soak.png", file=sys.stderr)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("samples", "windows")},
                      indent=1))
-    sys.exit(1 if summary["fatal"] or not summary["drained"] else 0)
+    exited_badly = bool(shutdown and shutdown["exit_code"] != 0)  # e.g. 1: the core died
+    sys.exit(1 if summary["fatal"] or not summary["drained"] or exited_badly else 0)
 
 
 if __name__ == "__main__":
