@@ -147,7 +147,7 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
     async def health() -> Response:
         return Response(status_code=200 if async_engine.healthy else 503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's name for /health
+    @app.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)  # SageMaker's
     async def ping() -> Response:
         return await health()
 

@@ -56,11 +56,14 @@ CAP_WARNING_INTERVAL = 10.0  # seconds between two warnings that the connection 
 @dataclasses.dataclass(frozen=True)
 class HttpLimits:
     """What one client may take from an API server process; every value must be > 0."""
-    max_header_bytes: int = 64 * 1024  # request line + headers; long API keys and cookies fit
+    # request line + headers: 8x nginx's 8 KiB, room for long URLs, keys and proxies' headers
+    max_header_bytes: int = 64 * 1024
     max_headers: int = 100  # header fields per request, as Python's http.client allows
-    header_timeout: float = 10.0  # seconds to send the headers: slowloris gets no further
-    body_timeout: float = 30.0  # seconds a request body may stall, as a slow uplink might
-    write_timeout: float = 30.0  # seconds a client may leave its response unread
+    header_timeout: float = 10.0  # seconds to send the headers: ample for any real client
+    body_timeout: float = 30.0  # seconds a request body may stall: a mobile uplink's hiccup
+    # seconds a response may sit unread: long enough for a slow reader, and then a stalled
+    # one's buffers (MBs) are freed
+    write_timeout: float = 30.0
     timeout_keep_alive: float = 5.0  # seconds an idle keep-alive connection stays (uvicorn's)
     max_connections: int = 8192  # per process: 1000+ streams at once fit several times over
 
@@ -124,6 +127,7 @@ def serve_app(app: FastAPI, host: str, port: int, log_level: str, shutdown_timeo
     protocol = type("HttpProtocol", (_GuardedProtocol,), {"limits": limits, "cap": cap})
     # uvicorn waits a little past the timeout: the app ends open streams at the timeout
     # itself, and they need a moment to send their error event and [DONE]
+    # ws="none": no WebSocket routes, so an Upgrade request stays plain HTTP, under the limits
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                             ws="none", timeout_keep_alive=limits.timeout_keep_alive,
                             timeout_graceful_shutdown=shutdown_timeout + STREAM_END_GRACE)
@@ -319,27 +323,33 @@ class _GuardedProtocol(HttpToolsProtocol):
         return self.cycle is not None and not self.cycle.response_complete
 
     def _read_by(self, seconds: float) -> None:
-        """The head or body must arrive within `seconds` from now."""
+        """The head or body must arrive within `seconds` from now. A later deadline only
+        moves the number: the pending timer finds it when it fires (no timer per chunk)."""
         self._read_deadline = deadline = self.loop.time() + seconds
         if self._read_timer_at > deadline:
-            if self._read_timer is not None:
-                self._read_timer.cancel()
-            self._read_timer = self.loop.call_at(deadline, self._check_read_deadline)
-            self._read_timer_at = deadline
+            self._arm_read_timer(deadline)
+
+    def _arm_read_timer(self, when: float) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        self._read_timer = self.loop.call_at(when, self._check_read_deadline)
+        self._read_timer_at = when
 
     def _check_read_deadline(self) -> None:
         self._read_timer, self._read_timer_at = None, math.inf
-        deadline = self._read_deadline
-        if deadline is None or self.transport.is_closing():
+        if self._read_deadline is None or self.transport.is_closing():
             return
         if self.flow.read_paused or (self._in_head and self._responding()):
             # it waits for us: we stopped reading, or a pipelined head waits for a response
             self._read_by(self.limits.header_timeout if self._in_head
                           else self.limits.body_timeout)
-        elif self.loop.time() < deadline:
-            self._read_timer = self.loop.call_at(deadline, self._check_read_deadline)
-            self._read_timer_at = deadline
-        elif not self._in_head:
+        elif self.loop.time() < self._read_deadline:
+            self._arm_read_timer(self._read_deadline)
+        else:
+            self._read_timed_out()
+
+    def _read_timed_out(self) -> None:
+        if not self._in_head:
             self._refuse(408, "request_timeout", f"no request body bytes for "
                          f"{self.limits.body_timeout:g} s")
         elif self._head_bytes:
@@ -355,10 +365,11 @@ class _GuardedProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     def _refuse(self, status: int, code: str, message: str) -> None:
-        """Answer `status` (unless a response is already under way) and close; a request in
-        progress sees a disconnect."""
-        cycle = self.cycle
-        if cycle is None or cycle.response_complete or not cycle.response_started:
+        """Answer `status` (unless the request at hand was answered already, or the one
+        before is still being answered) and close; a request in progress sees a disconnect."""
+        cycle = self.cycle  # while reading a head: the previous request's, if any
+        if cycle is None or (cycle.response_complete if self._in_head
+                             else not cycle.response_started):
             self.transport.write(_error_response(status, code, message,
                                                  self.server_state.default_headers))
         if cycle is not None and not cycle.response_complete:
