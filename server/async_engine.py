@@ -8,11 +8,11 @@ what `gpt2-serve` runs) or a thread (server/core_thread.py, for tests).
                                    └──AbortSequences (stop strings, disconnects)──▶ core
 
 Everything here runs on the event loop. Failure containment: a failure while handling one
-request's output fails that request only. The core speaks at least 5 times a second, so its
-silence is the watchdog's measure, whatever the clients do: past `watchdog_timeout` every open
-request fails with a 503 and /health answers 503; a dead core (CoreFailed, or its process
-gone), or one silent past `watchdog_exit_timeout`, fails every request and calls `on_fatal`,
-with which the server exits non-zero to be restarted.
+request's output fails that request only. The core speaks after every step, and every 0.2 s
+when idle, so its silence is the watchdog's measure, whatever the clients do: past
+`watchdog_timeout` every open request fails with a 503 and /health answers 503; a dead core
+(CoreFailed, or its process gone), or one silent past `watchdog_exit_timeout`, fails every
+request and calls `on_fatal`, with which the server exits non-zero to be restarted.
 """
 from __future__ import annotations
 

@@ -254,9 +254,11 @@ def test_a_failing_output_handler_fails_only_that_request(core):
     assert not core.has_unfinished()
 
 
-def test_a_dying_core_fails_requests_and_turns_unhealthy(core):
+def test_a_dying_core_fails_requests_zeroes_the_gauges_and_exits(core):
     async def scenario():
-        async_engine = start_engine(core)
+        gauges = []
+        async_engine = start_engine(core, observe_stats=lambda s: gauges.append(
+            (s.num_running, s.num_waiting, s.kv_cache_usage)))
         lost = asyncio.Event()
         async_engine.on_fatal = lost.set
         pending = asyncio.create_task(_run(async_engine, "victim", [1, 2], max_tokens=500))
@@ -269,6 +271,7 @@ def test_a_dying_core_fails_requests_and_turns_unhealthy(core):
             async_engine.generate("late", [[1]], SamplingParams())
         assert refused.value.status == 503
         assert lost.is_set()  # the server exits, to be restarted
+        assert gauges[-2][0] == 1 and gauges[-1] == (0, 0, 0.0)  # not left at "running 1"
         await async_engine.stop(timeout=10)
     asyncio.run(scenario())
 
