@@ -75,6 +75,23 @@ def client(url: str, timeout: float = 120) -> httpx.AsyncClient:
                                                  max_keepalive_connections=None))
 
 
+LONG = {"prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": True}  # minutes on the tiny model
+
+
+async def open_streams(http: httpx.AsyncClient, count: int) -> tuple[list[Stream], list]:
+    """`count` long streams, returned once every one is producing tokens, with their tasks:
+    the bystanders a fault or a shutdown catches mid-stream."""
+    streams = [Stream(LONG) for _ in range(count)]
+    tasks = [asyncio.create_task(s.run(http)) for s in streams]
+    assert await until(lambda: all(s.events for s in streams), timeout=60)
+    return streams, tasks
+
+
+def ended_with_error(stream: Stream) -> bool:
+    """The stream was admitted, then ended with an error event and [DONE]."""
+    return stream.status == 200 and stream.error is not None and stream.done
+
+
 def run_streams(url: str, bodies: list[dict[str, Any]],
                 hang_up_after: list[int | None] | None = None) -> list[Stream]:
     """All bodies at once, each on its own connection."""

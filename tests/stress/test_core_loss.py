@@ -13,23 +13,10 @@ import time
 import httpx
 
 from server_harness import wait_for
-from sse_client import Stream, client, until
+from sse_client import client, ended_with_error, open_streams
 from test_server_process import core_pid
 
-LONG = {"prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": True}
 WATCHDOG = 2
-
-
-async def open_streams(http: httpx.AsyncClient, count: int):
-    """Streams that are producing tokens."""
-    streams = [Stream(LONG) for _ in range(count)]
-    tasks = [asyncio.create_task(s.run(http)) for s in streams]
-    assert await until(lambda: all(s.events for s in streams), timeout=60)
-    return streams, tasks
-
-
-def ended_with_error(stream: Stream) -> bool:
-    return stream.status == 200 and stream.error is not None and stream.done
 
 
 def health(url: str) -> int:

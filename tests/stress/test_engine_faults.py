@@ -5,25 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-
 from faulty_server import FAIL_PROMPT, HANG_PROMPT
-from sse_client import Stream, client, until
+from sse_client import Stream, client, ended_with_error, open_streams
 
 FAULTY = "tests.stress.faulty_server"
-LONG = {"prompt": [1, 2, 3], "max_tokens": 900, "ignore_eos": True}
-
-
-async def start_bystanders(http: httpx.AsyncClient, count: int):
-    """Long streams that are producing tokens when the fault hits."""
-    streams = [Stream(LONG) for _ in range(count)]
-    tasks = [asyncio.create_task(s.run(http)) for s in streams]
-    assert await until(lambda: all(s.events for s in streams), timeout=60)
-    return streams, tasks
-
-
-def ended_with_error(stream: Stream) -> bool:
-    return stream.status == 200 and stream.error is not None and stream.done
 
 
 def test_a_failing_step_errors_every_stream_and_the_server_exits_non_zero(launch):
@@ -31,7 +16,7 @@ def test_a_failing_step_errors_every_stream_and_the_server_exits_non_zero(launch
 
     async def scenario():
         async with client(server.url) as http:
-            streams, tasks = await start_bystanders(http, 8)
+            streams, tasks = await open_streams(http, 8)
             poisoned = Stream({"prompt": FAIL_PROMPT, "max_tokens": 4})
             await asyncio.wait_for(poisoned.run(http), 30)
             await asyncio.wait_for(asyncio.gather(*tasks), 30)
@@ -51,7 +36,7 @@ def test_a_hung_step_errors_every_stream_at_the_watchdog_and_the_server_exits_la
             async def unhealthy() -> bool:
                 return (await http.get("/health")).status_code == 503
 
-            streams, tasks = await start_bystanders(http, 4)
+            streams, tasks = await open_streams(http, 4)
             assert not await unhealthy()
             hung = Stream({"prompt": HANG_PROMPT, "max_tokens": 4})
             tasks.append(asyncio.create_task(hung.run(http)))
