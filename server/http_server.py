@@ -46,6 +46,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.engine_process import tune_gc
+from server.protocol import RequestError
 
 logger = logging.getLogger("gpt2serve")
 STREAM_END_GRACE = 1.0  # seconds
@@ -382,8 +383,8 @@ def _error_response(status: int, code: str, message: str,
                     default_headers: list[tuple[bytes, bytes]]) -> bytes:
     """A complete `connection: close` response with OpenAI's error body."""
     err_type = "service_unavailable" if status == 503 else "invalid_request_error"
-    body = json.dumps({"error": {"message": message, "type": err_type, "param": None,
-                                 "code": code}}).encode()
+    body = json.dumps(RequestError(message, code=code, status=status,
+                                   err_type=err_type).body()).encode()
     headers = list(default_headers) + [(b"content-type", b"application/json"),
                                        (b"content-length", str(len(body)).encode()),
                                        (b"connection", b"close")]
