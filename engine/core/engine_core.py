@@ -132,8 +132,9 @@ def run_core_loop(core: EngineCore, receive: Callable[[float], list[ToCore]],
     """The core's loop, in a thread or a process of its own. Between steps it applies every
     message that arrived (`receive(timeout)`: what came, waiting up to `timeout` seconds for
     the first), then steps and sends the StepOutput. With nothing to step it waits at most
-    IDLE_WAIT and sends an empty StepOutput: the core speaks at least once a second, busy or
-    idle, and that is what the frontends' watchdogs time (server/async_engine.py).
+    IDLE_WAIT and sends an empty StepOutput: the core speaks after every step and every
+    IDLE_WAIT when idle, and its silence is what the frontends' watchdogs time
+    (server/async_engine.py).
     Returns on Shutdown; an exception from a step ends it with CoreFailed. A malformed frame
     is the receiver's to drop: it never reaches here."""
     try:
