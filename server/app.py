@@ -136,7 +136,16 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
     async def completions(request: Request) -> Response:
         return await service.create(request, await read_json_body(request, settings))
 
-    @app.get("/v1/models")
+    @app.post("/invocations", openapi_extra=request_body_schema(CompletionRequest))
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one route: a completions body (chat is not served here yet)."""
+        body = await read_json_body(request, settings)
+        if isinstance(body, dict) and "messages" in body:
+            raise RequestError("/invocations takes a completions body (with `prompt`); "
+                               "chat messages are not supported", param="messages")
+        return await service.create(request, body)
+
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": settings.model_name, "object": "model", "created": int(time.time()),
@@ -151,11 +160,11 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
     async def ping() -> Response:
         return await health()
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def get_version() -> dict[str, str]:
         return {"version": version()}
 

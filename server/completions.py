@@ -48,18 +48,21 @@ class CompletionService:
         req = parse_completion_request(body, self.limits)
         self.check_model(req.model)
         prompts = await self.encode_prompts(parse_prompt(req.prompt, self.limits))
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        generation = self.engine.generate(request_id, prompts, self._sampling_params(req),
+        engine_id = f"cmpl-{uuid.uuid4().hex}"  # unique in the engine, whatever clients send
+        generation = self.engine.generate(engine_id, prompts, self._sampling_params(req),
                                           req.cache_salt)
         watcher = asyncio.create_task(_cancel_on_disconnect(http_request, generation))
-        reply = _Reply(self, req, request_id, prompts)
+        # vLLM's request_id field names the response
+        response_id = f"cmpl-{req.request_id}" if req.request_id else engine_id
+        reply = _Reply(self, req, response_id, prompts)
         if req.stream:
             return StreamingResponse(reply.stream(generation, watcher),
                                      media_type="text/event-stream")
         return await reply.collect(generation, watcher)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """None or "" is the served model, as in vLLM."""
+        if model and model != self.model_name:
             raise RequestError(f"The model `{model}` does not exist; this server serves "
                                f"`{self.model_name}`", param="model", code="model_not_found",
                                status=404)
@@ -198,7 +201,8 @@ class _Reply:
         return CompletionChoice(index=index, text=prefix + choice.text,
                                 logprobs=self._logprobs(index, choice.token_ids,
                                                         choice.logprobs, len(prefix)),
-                                finish_reason=choice.finish_reason)
+                                finish_reason=choice.finish_reason,
+                                stop_reason=choice.stop_reason)
 
     def _delta_choice(self, prompt_index: int,
                       choice: CompletionOutput) -> CompletionChoice | None:
@@ -214,7 +218,8 @@ class _Reply:
             index=index, text=prefix + choice.delta_text,
             logprobs=self._logprobs(index, choice.delta_token_ids, choice.delta_logprobs,
                                     len(prefix)),
-            finish_reason=choice.finish_reason if finishing else None)
+            finish_reason=choice.finish_reason if finishing else None,
+            stop_reason=choice.stop_reason if finishing else None)
 
     def _echo_prefix(self, prompt_index: int, index: int) -> str:
         if not self.req.echo or index in self.echoed:

@@ -9,6 +9,7 @@ ValueErrors into 400s.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -24,6 +25,7 @@ from engine.output.tokenizer import check_token_ids, is_token_list
 MAX_STOP_STRINGS = 4
 LOGIT_BIAS_LIMIT = 100.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+logger = logging.getLogger("gpt2serve")
 
 
 class RequestError(Exception):
@@ -59,6 +61,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False  # refused when true (UNSUPPORTED)
 
 
 class CompletionRequest(_Strict):
@@ -89,6 +92,8 @@ class CompletionRequest(_Strict):
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     stop_token_ids: list[StrictInt] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # per-tenant prefix cache
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    add_special_tokens: StrictBool | None = True  # GPT-2 adds none: both values are the same
 
     @property
     def include_usage(self) -> bool:
@@ -143,6 +148,55 @@ def request_body_schema(model_cls: type[BaseModel]) -> dict[str, Any]:
                             "content": {"application/json": {"schema": inline(schema)}}}}
 
 
+# vLLM request fields this server knows but does not implement yet, with the values that ask
+# for nothing (what clients send unasked): any other value is a 400 naming the field, never
+# silently ignored. Fields in neither this table nor the request model are logged, once per
+# name, as vLLM does.
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search is not implemented"),
+    "length_penalty": ((1.0, 1), "length_penalty applies to beam search, not implemented"),
+    "prompt_logprobs": ((), "prompt logprobs are not implemented"),
+    "allowed_token_ids": (([],), "allowed_token_ids is not implemented"),
+    "bad_words": (([],), "bad_words is not implemented"),
+    "include_stop_str_in_output": ((False,), "include_stop_str_in_output is not implemented"),
+    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not implemented"),
+    "return_token_ids": ((False,), "return_token_ids is not implemented"),
+    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not implemented"),
+    "priority": ((0,), "priority scheduling is not implemented (the policy is FCFS)"),
+    "logits_processors": (([],), "custom logits processors are not supported"),
+    # GPT-2's one special token, <|endoftext|>, enters the text only under ignore_eos, as
+    # vLLM's skip_special_tokens=False does; spacing between specials is moot
+    "skip_special_tokens": ((False,), "<|endoftext|> stays in the text"),
+    "spaces_between_special_tokens": ((True, False), ""),
+    **{name: ((), "structured outputs are not implemented") for name in (
+        "response_format", "structured_outputs", "guided_json", "guided_regex",
+        "guided_choice", "guided_grammar", "guided_decoding_backend",
+        "guided_whitespace_pattern")},
+    **{name: ((), f"{name} is not supported") for name in (
+        "kv_transfer_params", "vllm_xargs", "prompt_embeds")},
+}
+_logged_unknown: set[str] = set()
+
+
+def check_field_support(body: dict[str, Any], model_cls: type[BaseModel]) -> None:
+    """400 for a known but unimplemented field asking for something; a warning, once per
+    name, for a field nobody defines."""
+    for name, value in body.items():
+        if name in UNSUPPORTED:
+            neutral, why = UNSUPPORTED[name]
+            if value is not None and not any(type(value) is type(v) and value == v
+                                             for v in neutral):
+                raise RequestError(f"{name} is not supported by this server: {why}",
+                                   param=name, code="unsupported_field")
+        elif name not in model_cls.model_fields and name not in _logged_unknown:
+            _logged_unknown.add(name)
+            logger.warning("requests hold the field %r, which no API defines: ignored", name)
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        raise RequestError("stream_options.continuous_usage_stats is not supported by this "
+                           "server", param="stream_options", code="unsupported_field")
+
+
 def parse_model(model_cls: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_json")
@@ -154,6 +208,7 @@ def parse_model(model_cls: type[BaseModel], body: Any) -> Any:
 
 def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
     request = parse_model(CompletionRequest, body)
+    check_field_support(body, CompletionRequest)
     _check_cross_fields(request, limits)
     parse_prompt(request.prompt, limits)
     _check_stop(request, limits.vocab_size)
@@ -299,6 +354,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
 
 
 class Usage(msgspec.Struct):

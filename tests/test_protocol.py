@@ -142,9 +142,10 @@ def test_sse_event_format():
             text_offset=[0]))])
     assert json.loads(sse_event(chunk)[len(b"data: "):]) == {
         "id": "x", "object": "text_completion", "created": 1, "model": "m", "usage": None,
-        "choices": [{"index": 0, "text": "hi", "finish_reason": None, "logprobs": {
+        "choices": [{"index": 0, "text": "hi", "finish_reason": None, "stop_reason": None,
+                     "logprobs": {
             "tokens": ["hi"], "token_logprobs": [-0.5], "top_logprobs": [{"hi": -0.5}],
-            "text_offset": [0]}}]}
+                         "text_offset": [0]}}]}
 
 
 def test_one_two_five_buckets():
@@ -179,3 +180,36 @@ def test_outputs_of_several_steps_merge_into_one_delta_per_choice():
     assert (merged[0, 0].delta_text, merged[0, 0].delta_token_ids) == ("Hello", [5, 6])
     assert merged[0, 0].finish_reason == "length" and merged[0, 0].delta_logprobs is None
     assert merged[0, 1] is b1 and merged[1, 0] is a1
+
+
+@pytest.mark.parametrize("field,value", [
+    ("use_beam_search", True), ("length_penalty", 0.5), ("prompt_logprobs", 1),
+    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("include_stop_str_in_output", True),
+    ("truncate_prompt_tokens", 8), ("return_token_ids", True),
+    ("return_tokens_as_token_ids", True), ("priority", 5), ("logits_processors", ["a.b"]),
+    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
+    ("guided_regex", "[a-z]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "x"),
+    ("structured_outputs", {"regex": "a"}), ("skip_special_tokens", True)])
+def test_a_vllm_field_asking_for_what_is_not_implemented_is_a_400_naming_it(field, value):
+    err = rejects({"prompt": "x", field: value}, field)
+    assert err.code == "unsupported_field" and field in err.message
+
+
+@pytest.mark.parametrize("field,value", [
+    ("use_beam_search", False), ("length_penalty", 1.0), ("prompt_logprobs", None),
+    ("bad_words", []), ("include_stop_str_in_output", False), ("priority", 0),
+    ("skip_special_tokens", False), ("spaces_between_special_tokens", True),
+    ("add_special_tokens", False), ("request_id", "abc")])
+def test_the_values_that_ask_for_nothing_pass(field, value):
+    assert parse_completion_request({"prompt": "x", field: value}, LIMITS)
+
+
+def test_continuous_usage_stats_is_refused_not_ignored():
+    rejects({"prompt": "x", "stream": True,
+             "stream_options": {"continuous_usage_stats": True}}, "stream_options")
+
+
+def test_a_field_no_api_defines_is_logged_once(caplog):
+    for _ in range(3):
+        parse_completion_request({"prompt": "x", "no_such_field_xyz": 1}, LIMITS)
+    assert caplog.text.count("no_such_field_xyz") == 1

@@ -280,3 +280,34 @@ def test_side_endpoints(server, http):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert http.get("/nowhere").status_code == 404
     assert "Traceback" not in server.log()
+
+
+def test_vllm_fields_that_work_request_id_empty_model_and_stop_reason(http):
+    body = {"model": "", "prompt": [464, 2068], "max_tokens": 30, "temperature": 0,
+            "request_id": "my-req-7", "stop_token_ids": [], "stop": None}
+    whole = http.post("/v1/completions", json=body).json()
+    assert whole["id"] == "cmpl-my-req-7" and whole["model"] == "tiny"
+    text = whole["choices"][0]["text"]
+    stop = text[3:6]  # a stop string inside the greedy text: it must end the choice there
+    stopped = http.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == stop
+    events = stream_raw(http, {**body, "stop": [stop]})
+    last = json.loads(events[-2])["choices"][0]
+    assert json.loads(events[0])["id"] == "cmpl-my-req-7"
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == stop
+
+
+def test_a_vllm_field_that_is_not_implemented_is_refused_by_name(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2,
+                                  extra_body={"allowed_token_ids": [21555, 21557]})
+    assert info.value.body["param"] == "allowed_token_ids"
+
+
+def test_head_where_get_works_and_invocations(http):
+    for path in ("/health", "/v1/models", "/version", "/metrics"):
+        assert http.head(path).status_code == 200, path
+    answer = http.post("/invocations", json={"prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == 200 and answer.json()["object"] == "text_completion"
+    chat = http.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
