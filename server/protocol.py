@@ -87,10 +87,11 @@ class CompletionRequest(_Strict):
     # vLLM extras
     top_k: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0)] | None = None
     ignore_eos: StrictBool | None = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool | None = False
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # per-tenant prefix cache
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     add_special_tokens: StrictBool | None = True  # GPT-2 adds none: both values are the same
@@ -158,15 +159,14 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((), "prompt logprobs are not implemented"),
     "allowed_token_ids": (([],), "allowed_token_ids is not implemented"),
     "bad_words": (([],), "bad_words is not implemented"),
-    "include_stop_str_in_output": ((False,), "include_stop_str_in_output is not implemented"),
     "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not implemented"),
     "return_token_ids": ((False,), "return_token_ids is not implemented"),
     "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not implemented"),
     "priority": ((0,), "priority scheduling is not implemented (the policy is FCFS)"),
     "logits_processors": (([],), "custom logits processors are not supported"),
-    # GPT-2's one special token, <|endoftext|>, enters the text only under ignore_eos, as
-    # vLLM's skip_special_tokens=False does; spacing between specials is moot
-    "skip_special_tokens": ((False,), "<|endoftext|> stays in the text"),
+    # GPT-2's one special token, <|endoftext|>, is left out of the text (vLLM's default,
+    # skip_special_tokens=True); spacing between specials is then moot
+    "skip_special_tokens": ((True,), "<|endoftext|> never enters the text"),
     "spaces_between_special_tokens": ((True, False), ""),
     **{name: ((), "structured outputs are not implemented") for name in (
         "response_format", "structured_outputs", "guided_json", "guided_regex",
@@ -320,6 +320,7 @@ def to_sampling_params(req: CompletionRequest, vocab_size: int) -> SamplingParam
         temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
         top_k=_default(req.top_k, -1), min_p=_default(req.min_p, 0.0), seed=req.seed,
         stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
         ignore_eos=bool(req.ignore_eos), min_tokens=req.min_tokens or 0,
         presence_penalty=_default(req.presence_penalty, 0.0),
         frequency_penalty=_default(req.frequency_penalty, 0.0),

@@ -184,12 +184,12 @@ def test_outputs_of_several_steps_merge_into_one_delta_per_choice():
 
 @pytest.mark.parametrize("field,value", [
     ("use_beam_search", True), ("length_penalty", 0.5), ("prompt_logprobs", 1),
-    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("include_stop_str_in_output", True),
+    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
     ("truncate_prompt_tokens", 8), ("return_token_ids", True),
     ("return_tokens_as_token_ids", True), ("priority", 5), ("logits_processors", ["a.b"]),
     ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
     ("guided_regex", "[a-z]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "x"),
-    ("structured_outputs", {"regex": "a"}), ("skip_special_tokens", True)])
+    ("structured_outputs", {"regex": "a"}), ("skip_special_tokens", False)])
 def test_a_vllm_field_asking_for_what_is_not_implemented_is_a_400_naming_it(field, value):
     err = rejects({"prompt": "x", field: value}, field)
     assert err.code == "unsupported_field" and field in err.message
@@ -198,8 +198,8 @@ def test_a_vllm_field_asking_for_what_is_not_implemented_is_a_400_naming_it(fiel
 @pytest.mark.parametrize("field,value", [
     ("use_beam_search", False), ("length_penalty", 1.0), ("prompt_logprobs", None),
     ("bad_words", []), ("include_stop_str_in_output", False), ("priority", 0),
-    ("skip_special_tokens", False), ("spaces_between_special_tokens", True),
-    ("add_special_tokens", False), ("request_id", "abc")])
+    ("skip_special_tokens", True), ("spaces_between_special_tokens", True),
+    ("add_special_tokens", False), ("request_id", "abc"), ("repetition_penalty", 5.0)])
 def test_the_values_that_ask_for_nothing_pass(field, value):
     assert parse_completion_request({"prompt": "x", field: value}, LIMITS)
 

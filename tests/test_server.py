@@ -311,3 +311,18 @@ def test_head_where_get_works_and_invocations(http):
     assert answer.status_code == 200 and answer.json()["object"] == "text_completion"
     chat = http.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+
+
+def test_min_tokens_holds_back_stop_strings_and_the_stop_string_can_be_kept(http):
+    body = {"prompt": [464, 2068], "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    greedy = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    first = http.post("/tokenize", json={"prompt": greedy}).json()["tokens"][0]
+    stop = http.post("/detokenize", json={"tokens": [first]}).json()["prompt"]
+    early = http.post("/v1/completions", json={**body, "stop": [stop]}).json()
+    assert early["choices"][0]["text"] == "" and early["usage"]["completion_tokens"] == 1
+    held = http.post("/v1/completions", json={**body, "stop": [stop], "min_tokens": 5}).json()
+    assert held["usage"]["completion_tokens"] > 5  # vLLM: stop strings match after min_tokens
+    cut = greedy[3:6]
+    kept = http.post("/v1/completions", json={**body, "stop": [cut],
+                                              "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == greedy[:greedy.index(cut) + len(cut)]

@@ -38,9 +38,9 @@ def test_incremental_detokenizer_never_splits_a_character():
     assert any(p == "" for p in pieces[:-1])
 
 
-def stream(stop, text, final_token=None):
+def stream(stop, text, **options):
     tok = Tokenizer()
-    s = TextStream(tok, stop)
+    s = TextStream(tok, stop, **options)
     ids = tok.encode(text)
     out = [s.add(t, final=i == len(ids) - 1) for i, t in enumerate(ids)]
     return s, out
@@ -52,6 +52,19 @@ def test_stop_string_is_cut_and_never_streamed():
     assert s.text == "alpha beta "
     assert "".join(pieces) == s.text
     assert all("#" not in p for p in pieces)
+
+
+def test_include_stop_keeps_the_stop_string_and_nothing_after_it():
+    s, pieces = stream(("###",), "alpha beta ### gamma", include_stop=True)
+    assert s.stopped_by == "###" and s.text == "alpha beta ###" == "".join(pieces)
+
+
+def test_stop_strings_match_only_after_min_tokens():
+    text = "a, b, c, d, e, f, g"  # one token a piece: "a" "," " b" "," ...
+    early, _ = stream((",",), text)
+    assert early.text == "a"
+    late, pieces = stream((",",), text, min_tokens=5)  # the commas of tokens 2 and 4 pass
+    assert late.stopped_by == "," and late.text == "a, b, c" == "".join(pieces)
 
 
 def test_held_back_text_is_released_when_no_stop_follows():

@@ -47,6 +47,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float = 0.0
@@ -88,8 +89,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             need(math.isfinite(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name,
                  "must be in [-2, 2]")
-        need(math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-             "repetition_penalty", "must be in (0, 2]")
+        need(math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty,
+             "repetition_penalty", "must be a finite number > 0")
         need(is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens",
              "must be an integer >= 0")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs

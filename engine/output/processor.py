@@ -32,7 +32,9 @@ class _Choice:
         self.seq_id = seq_id
         self.params = params
         self.stream = TextStream(tokenizer, params.stop,
-                                 final_only=params.output_kind == "final_only")
+                                 final_only=params.output_kind == "final_only",
+                                 min_tokens=params.min_tokens,
+                                 include_stop=params.include_stop_str_in_output)
         self.output = CompletionOutput(index=index,
                                        logprobs=[] if params.logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time)
