@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core.request import EOS_TOKEN_ID
 
 PROMPT_LENGTHS = [1, 5, 17, 64, 150, 300]
 MAX_TOKENS = 12
@@ -112,9 +113,10 @@ def test_text_prompts_stop_strings_and_n(tiny_checkpoint):
     greedy = llm.generate("Hello there", GREEDY, use_tqdm=False)[0]
     stop = greedy.text[len(greedy.text) // 2:][:3]
     if stop:
-        cut = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                         min_tokens=MAX_TOKENS, stop=(stop,)),
-                           use_tqdm=False)[0]
+        # EOS kept out by a bias, not by min_tokens: stop strings wait for min_tokens
+        no_eos = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=(stop,),
+                                logit_bias={EOS_TOKEN_ID: -100.0})
+        cut = llm.generate("Hello there", no_eos, use_tqdm=False)[0]
         assert cut.finish_reason == "stop" and stop not in cut.text
         assert greedy.text.startswith(cut.text)
 
