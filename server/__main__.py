@@ -108,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--watchdog-timeout); a dead core makes it exit at once")
     parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
                         help="larger request bodies get 413 (default: 4 MiB)")
+    parser.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                        help='CORS: allowed origins, a JSON list (default: ["*"])')
+    parser.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                        help='CORS: allowed methods, a JSON list (default: ["*"])')
+    parser.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                        help='CORS: allowed headers, a JSON list (default: ["*"])')
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: allow credentials")
     parser.add_argument("--disable-fastapi-docs", action="store_true",
                         help="do not serve /openapi.json and /docs")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route "
@@ -127,6 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_http_flags(parser)
     _add_engine_flags(parser)
     return parser
+
+
+def _json_list(text: str) -> list[str]:
+    """vLLM's form for the CORS flags: a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def preset_for(model: str | None) -> Path | None:
@@ -217,7 +236,9 @@ def main(argv: list[str] | None = None) -> None:
         max_body_bytes=args.max_request_body_bytes, log_interval=args.log_interval,
         watchdog_timeout=args.watchdog_timeout,
         watchdog_exit_timeout=args.watchdog_exit_timeout,
-        shutdown_timeout=args.shutdown_timeout, enable_docs=not args.disable_fastapi_docs)
+        shutdown_timeout=args.shutdown_timeout, enable_docs=not args.disable_fastapi_docs,
+        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
     if sock is not None:
         options = ApiServerOptions(settings, args.host, args.port, args.log_level,
                                    HttpLimits.from_args(args))

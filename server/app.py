@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -54,6 +55,11 @@ class ServerSettings:
     watchdog_exit_timeout: float | None = None  # silent this long: exit (None: 2x the above)
     shutdown_timeout: float = 30.0  # after SIGTERM, open streams end with an error after this
     enable_docs: bool = True  # /openapi.json and /docs
+    # CORS, with vLLM's defaults (--allowed-origins, ...)
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 def version() -> str:
@@ -98,7 +104,11 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
     async_engine.on_fatal = functools.partial(_exit_server, app)
     _add_error_handlers(app)
     _add_routes(app, service, metrics, settings)
-    if settings.api_key:
+    app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                       allow_methods=settings.allowed_methods,
+                       allow_headers=settings.allowed_headers,
+                       allow_credentials=settings.allow_credentials)
+    if settings.api_key:  # outside CORS: its 401s are plain, preflights pass through
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app
 
@@ -296,7 +306,8 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})  # probes a
 class ApiKeyMiddleware:
     """Bearer-token check on every route but OPEN_PATHS. The path tested is the decoded one
     the router matches, and only an exact match is open: no spelling of another route (a
-    percent-encoding, a trailing slash, a dot segment) escapes the check."""
+    percent-encoding, a trailing slash, a dot segment) escapes the check. OPTIONS passes: a
+    CORS preflight carries no credentials, and it runs nothing."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -304,7 +315,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] == "http" and scope.get("path") not in OPEN_PATHS
-                and not self._authorized(scope)):
+                and scope.get("method") != "OPTIONS" and not self._authorized(scope)):
             response = JSONResponse(RequestError("invalid or missing API key", code="401",
                                                  status=401).body(), status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})

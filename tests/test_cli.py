@@ -113,3 +113,11 @@ def test_model_flag_alone_gets_its_preset_and_config_wins():
 
 def test_healthcheck_default_port_is_the_servers():
     assert build_parser().get_default("port") == DEFAULT_PORT
+
+
+@pytest.mark.parametrize("value", ["*", '{"a": 1}', '["ok", 3]'])
+def test_cors_flags_take_a_json_list_of_strings(value, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--allowed-origins", value])
+    assert "JSON list of strings" in capsys.readouterr().err
+    assert build_parser().parse_args(["--allowed-methods", '["GET"]']).allowed_methods == ["GET"]

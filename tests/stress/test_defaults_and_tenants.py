@@ -111,3 +111,13 @@ def test_a_cache_salt_keeps_tenants_off_each_others_cached_prefix(server):
     assert hits_after("tenant-a") == 0
     assert hits_after("tenant-b") == 0  # same prompt, another tenant: nothing shared
     assert hits_after("tenant-a") >= 32  # its own cached blocks
+
+
+def test_cors_preflight_is_answered_without_the_key_and_responses_carry_the_origin(server):
+    preflight = httpx.options(server.url + "/v1/completions", headers={
+        "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    answer = httpx.get(server.url + "/v1/models", headers={**AUTH, "Origin": "http://x"})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
