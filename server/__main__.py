@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
            args.api_server_count) < 1:
         parser.error("--max-queued-requests, --max-n, --max-prompts-per-request and "
                      "--api-server-count must be >= 1")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout < 0 or args.watchdog_timeout < 1:
         parser.error("--shutdown-timeout must be >= 0 and --watchdog-timeout >= 1 (the idle "
                      "engine core answers every 0.2 s)")
@@ -223,8 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         config = engine_config_from_args(args)
-        # several API servers share one socket: bound first, so a busy port fails fast
-        sock = listening_socket(args.host, args.port) if args.api_server_count > 1 else None
+        # bound before the model loads (as vLLM does): a busy port fails in a second
+        sock = listening_socket(args.host, args.port)
         core = EngineProcess(config, num_clients=args.api_server_count)
     except Exception as exc:  # noqa: BLE001 - every startup failure gets the same one line
         exit_on_startup_error(exc, args.log_level)
@@ -239,13 +241,13 @@ def main(argv: list[str] | None = None) -> None:
         shutdown_timeout=args.shutdown_timeout, enable_docs=not args.disable_fastapi_docs,
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
-    if sock is not None:
+    if args.api_server_count > 1:
         options = ApiServerOptions(settings, args.host, args.port, args.log_level,
                                    HttpLimits.from_args(args))
         sys.exit(run_api_servers(core, sock, options))
     app = create_app(CoreClient(core.info, owner=core), settings)
     sys.exit(serve_app(app, args.host, args.port, args.log_level, args.shutdown_timeout,
-                       limits=HttpLimits.from_args(args)))
+                       sock, HttpLimits.from_args(args)))
 
 
 def served_name_of(model: str) -> str:

@@ -56,15 +56,31 @@ def test_startup_failure_is_one_line(argv, line, tiny_checkpoint):
     assert "Traceback" not in proc.stderr
 
 
-def test_a_busy_port_fails_several_api_servers_before_the_engine_starts(tiny_checkpoint):
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_a_busy_port_fails_before_the_engine_starts(tiny_checkpoint, count):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         proc = serve("--model", str(tiny_checkpoint), "--host", "127.0.0.1", "--port",
-                     str(taken.getsockname()[1]), "--api-server-count", "2")
+                     str(taken.getsockname()[1]), "--api-server-count", count)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("gpt2-serve: error: [Errno 98]")
     assert "Traceback" not in proc.stderr and "engine core" not in proc.stderr
+
+
+def test_a_port_out_of_range_is_refused(tiny_checkpoint):
+    proc = serve("--model", str(tiny_checkpoint), "--port", "99999")
+    assert proc.returncode == 2 and "--port must be in [0, 65535]" in proc.stderr
+
+
+def test_a_checkpoint_that_is_not_gpt2_is_one_line(tiny_checkpoint, tmp_path):
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    (other / "model.safetensors").write_bytes((tiny_checkpoint / "model.safetensors").read_bytes())
+    proc = serve("--model", str(other), "--device", "cpu")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "not a GPT-2 checkpoint (model_type 'llama')" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_api_server_count_must_be_positive(tiny_checkpoint):

@@ -77,6 +77,13 @@ class GPT2Config:
     @classmethod
     def from_json(cls, path: Path) -> GPT2Config:
         raw = json.loads(path.read_text())
+        kind = raw.get("model_type", "gpt2")
+        missing = [key for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+                   if key not in raw]
+        if kind != "gpt2" or missing:
+            found = f"model_type {kind!r}" if kind != "gpt2" else f"no {', '.join(missing)}"
+            raise ValueError(f"{path}: not a GPT-2 checkpoint ({found}); gpt2-serve serves "
+                             "GPT-2 models (gpt2, gpt2-medium, gpt2-large, gpt2-xl)")
         if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("reorder_and_upcast_attn"):
             raise ValueError(f"{path}: scale_attn_by_inverse_layer_idx and "
                              "reorder_and_upcast_attn are not supported")
