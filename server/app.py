@@ -78,7 +78,8 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
     async_engine = AsyncEngine(core, tokenizer, settings.max_queued_requests,
                                settings.watchdog_timeout, settings.watchdog_exit_timeout,
                                observe_output=metrics.observe_output,
-                               observe_stats=metrics.observe_stats)
+                               observe_stats=metrics.observe_stats,
+                               observe_request=metrics.observe_request)
     limits = Limits(tokenizer.vocab_size, core.max_model_len, settings.max_n,
                     settings.max_prompts_per_request)
     service = CompletionService(async_engine, tokenizer, settings.model_name, limits)

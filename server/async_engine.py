@@ -156,7 +156,8 @@ class AsyncEngine:
                  max_queued_requests: int, watchdog_timeout: float = 60.0,
                  watchdog_exit_timeout: float | None = None,
                  observe_output: Callable[[RequestOutput, bool], None] = lambda o, f: None,
-                 observe_stats: Callable[[EngineStats], None] = lambda s: None) -> None:
+                 observe_stats: Callable[[EngineStats], None] = lambda s: None,
+                 observe_request: Callable[[SamplingParams], None] = lambda p: None) -> None:
         """`watchdog_timeout`: seconds of the core's silence after which open requests fail
         and /health says 503; `watchdog_exit_timeout` (default twice that): after which the
         core counts as lost for good and `on_fatal` is called."""
@@ -167,6 +168,7 @@ class AsyncEngine:
         self.watchdog_exit_timeout = watchdog_exit_timeout or 2 * watchdog_timeout
         self.observe_output = observe_output
         self._observe_stats = observe_stats
+        self._observe_request = observe_request  # once per admitted prompt
         # called once when the core is dead, or silent past watchdog_exit_timeout: the server
         # exits non-zero so that its supervisor (Kubernetes, Docker, systemd) restarts it
         self.on_fatal: Callable[[], None] = lambda: None
@@ -231,6 +233,7 @@ class AsyncEngine:
         generation = Generation(self, ids, params.n)
         for index, rid in enumerate(ids):
             self._routes[rid] = (generation, index)
+            self._observe_request(params)
         return generation
 
     def _check_admission(self, prompts: list[list[int]], params: SamplingParams) -> None:

@@ -3,8 +3,8 @@ built for vLLM work unchanged.
 
 Each app owns a CollectorRegistry: several apps in one process (tests) never collide.
 Two feeds update it:
-  * `observe_output` (event loop) for every RequestOutput delivered: token counters, and the
-    per-request histograms once a request finishes;
+  * `observe_request` and `observe_output` (event loop) for every request admitted and every
+    RequestOutput delivered: token counters, and the per-request histograms;
   * `observe_stats` (engine thread) after every engine iteration: gauges, and the engine's
     cumulative counters turned into Prometheus increments.
 prometheus-client is thread-safe, so the two feeds need no lock of their own.
@@ -20,10 +20,12 @@ import os
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram,
+                               PlatformCollector, ProcessCollector, generate_latest)
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from engine.core.messages import ENGINE_COUNTERS, EngineStats, SpecCounts
+from engine.core.request import SamplingParams
 from engine.output.outputs import RequestMetrics, RequestOutput
 
 PREFIX = "vllm:"
@@ -33,6 +35,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+N_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's for request_params_n
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
@@ -68,6 +71,15 @@ class ServerMetrics:
                                    "Arrival to finish", LATENCY_BUCKETS)
         self.queue_time = self._histogram("request_queue_time_seconds",
                                           "Arrival to first scheduled", LATENCY_BUCKETS)
+        self.prefill_time = self._histogram("request_prefill_time_seconds",
+                                            "First scheduled to first token", LATENCY_BUCKETS)
+        self.decode_time = self._histogram("request_decode_time_seconds",
+                                           "First token to finish", LATENCY_BUCKETS)
+        self.inference_time = self._histogram("request_inference_time_seconds",
+                                              "First scheduled to finish", LATENCY_BUCKETS)
+        self.params_n = self._histogram("request_params_n", "The request's n", N_BUCKETS)
+        self.params_max_tokens = self._histogram("request_params_max_tokens",
+                                                 "The request's max_tokens", tokens)
         self.prompt_len = self._histogram("request_prompt_tokens", "Prompt length", tokens)
         self.generation_len = self._histogram("request_generation_tokens",
                                               "Tokens generated per request", tokens)
@@ -81,6 +93,8 @@ class ServerMetrics:
         self.engine_counters = {name: self._counter(name, name.replace("_", " "))
                                 for name in ENGINE_COUNTERS}
         self.spec: SpecMetrics | None = None  # registered once the engine reports speculating
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)  # process_*, python_* as vLLM exports them
 
     def _histogram(self, name: str, doc: str, buckets: list[Any]) -> Any:
         return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
@@ -93,6 +107,11 @@ class ServerMetrics:
     def _counter(self, name: str, doc: str) -> Any:
         return Counter(PREFIX + name, doc, ["model_name"],
                        registry=self.registry).labels(self.model_name)
+
+    def observe_request(self, params: SamplingParams) -> None:
+        """The sampling parameters of one admitted engine request (a prompt)."""
+        self.params_n.observe(params.n)
+        self.params_max_tokens.observe(params.max_tokens)
 
     def observe_output(self, output: RequestOutput, first: bool) -> None:
         """Count tokens as they stream; record latencies when the request finishes."""
@@ -114,14 +133,24 @@ class ServerMetrics:
             self._observe_timing(timing)
 
     def _observe_timing(self, timing: RequestMetrics) -> None:
-        if timing.first_scheduled_time is not None:
-            self.queue_time.observe(timing.first_scheduled_time - timing.arrival_time)
-        if timing.first_token_time is not None:
-            self.ttft.observe(timing.first_token_time - timing.arrival_time)
+        """vLLM's phases: queued (arrival to first scheduled), prefill (to the first token),
+        decode (first token to finish) and inference (first scheduled to finish)."""
+        scheduled, first, done = (timing.first_scheduled_time, timing.first_token_time,
+                                  timing.finish_time)
+        if scheduled is not None:
+            self.queue_time.observe(scheduled - timing.arrival_time)
+        if first is not None:
+            self.ttft.observe(first - timing.arrival_time)
         for before, after in zip(timing.token_times, timing.token_times[1:]):
             self.itl.observe(after - before)
-        if timing.finish_time is not None:
-            self.e2e.observe(timing.finish_time - timing.arrival_time)
+        if done is not None:
+            self.e2e.observe(done - timing.arrival_time)
+        if scheduled is not None and first is not None:
+            self.prefill_time.observe(first - scheduled)
+        if first is not None and done is not None:
+            self.decode_time.observe(done - first)
+        if scheduled is not None and done is not None:
+            self.inference_time.observe(done - scheduled)
 
     def observe_stats(self, stats: EngineStats) -> None:
         """Gauges from the engine's snapshot; its cumulative counts become increments."""
@@ -140,6 +169,9 @@ class ServerMetrics:
             self.spec.observe(stats.spec)
 
     def render(self) -> bytes:
+        """This app's families and its process's (process_*, python_*); with several API
+        servers, every server's app families summed (prometheus-client's multiprocess mode
+        has no process families)."""
         if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
             return generate_latest(self.registry)
         every_process = CollectorRegistry()

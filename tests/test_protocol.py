@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from engine.output.outputs import CompletionOutput, RequestOutput
+from engine.core.request import SamplingParams
+from engine.output.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.metrics import ServerMetrics, one_two_five_buckets
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionResponse, Limits,
                              RequestError, finite_logprob, parse_completion_request,
@@ -164,6 +165,33 @@ def test_metric_names_are_vllm_compatible():
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
         assert f'{name}' in text and 'model_name="m"' in text, name
     assert "vllm:request_success" in text
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    line = next(line for line in text.splitlines()
+                if line.startswith(name + "{") and label_text in line)
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_request_phases_and_params_of_a_request_with_known_times():
+    metrics = ServerMetrics("m", 1024)
+    metrics.observe_request(SamplingParams(n=2, max_tokens=300))
+    timing = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5,
+                            first_token_time=11.0, token_times=[11.0, 11.5, 13.0],
+                            finish_time=13.0)
+    done = CompletionOutput(0, "abc", [1, 2, 3], finish_reason="length")
+    metrics.observe_output(RequestOutput("r", None, [7] * 4, [done], [timing]), first=True)
+    text = metrics.render().decode()
+    for name, seconds in (("queue_time", 0.5), ("prefill_time", 0.5), ("decode_time", 2.0),
+                          ("inference_time", 2.5)):
+        assert sample(text, f"vllm:request_{name}_seconds_sum") == seconds, name
+        assert sample(text, f"vllm:request_{name}_seconds_count") == 1, name
+    assert sample(text, "vllm:request_params_n_bucket", le="1.0") == 0
+    assert sample(text, "vllm:request_params_n_bucket", le="2.0") == 1
+    assert sample(text, "vllm:request_params_max_tokens_bucket", le="200.0") == 0
+    assert sample(text, "vllm:request_params_max_tokens_bucket", le="500.0") == 1
+    assert "process_cpu_seconds_total" in text and "python_info{" in text
 
 
 def test_outputs_of_several_steps_merge_into_one_delta_per_choice():
