@@ -176,6 +176,19 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
         "kv_transfer_params", "vllm_xargs", "prompt_embeds")},
 }
 _logged_unknown: set[str] = set()
+MAX_LOGGED_UNKNOWN = 64  # distinct names: a client inventing names cannot flood the log
+
+
+def _log_unknown_once(name: str) -> None:
+    if name in _logged_unknown or len(_logged_unknown) > MAX_LOGGED_UNKNOWN:
+        return
+    _logged_unknown.add(name)
+    if len(_logged_unknown) > MAX_LOGGED_UNKNOWN:
+        logger.warning("requests hold more than %d fields that no API defines: no more are "
+                       "logged", MAX_LOGGED_UNKNOWN)
+    else:
+        logger.warning("requests hold the field %r, which no API defines: ignored",
+                       name[:64])
 
 
 def check_field_support(body: dict[str, Any], model_cls: type[BaseModel]) -> None:
@@ -188,9 +201,8 @@ def check_field_support(body: dict[str, Any], model_cls: type[BaseModel]) -> Non
                                              for v in neutral):
                 raise RequestError(f"{name} is not supported by this server: {why}",
                                    param=name, code="unsupported_field")
-        elif name not in model_cls.model_fields and name not in _logged_unknown:
-            _logged_unknown.add(name)
-            logger.warning("requests hold the field %r, which no API defines: ignored", name)
+        elif name not in model_cls.model_fields:
+            _log_unknown_once(name)
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):
         raise RequestError("stream_options.continuous_usage_stats is not supported by this "

@@ -9,9 +9,9 @@ import pytest
 from engine.core.request import SamplingParams
 from engine.output.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.metrics import ServerMetrics, one_two_five_buckets
-from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionResponse, Limits,
-                             RequestError, finite_logprob, parse_completion_request,
-                             parse_prompt, to_sampling_params)
+from server.protocol import (MAX_LOGGED_UNKNOWN, CompletionChoice, CompletionLogprobs,
+                             CompletionResponse, Limits, RequestError, finite_logprob,
+                             parse_completion_request, parse_prompt, to_sampling_params)
 from server.completions import merge_deltas, sse_event
 
 LIMITS = Limits(vocab_size=50257, max_model_len=1024, max_n=16)
@@ -237,7 +237,10 @@ def test_continuous_usage_stats_is_refused_not_ignored():
              "stream_options": {"continuous_usage_stats": True}}, "stream_options")
 
 
-def test_a_field_no_api_defines_is_logged_once(caplog):
+def test_a_field_no_api_defines_is_logged_once_and_inventions_cannot_flood_the_log(caplog):
     for _ in range(3):
         parse_completion_request({"prompt": "x", "no_such_field_xyz": 1}, LIMITS)
     assert caplog.text.count("no_such_field_xyz") == 1
+    parse_completion_request({"prompt": "x", **{f"made_up_{i}": 1 for i in range(500)}},
+                             LIMITS)
+    assert len(caplog.records) <= MAX_LOGGED_UNKNOWN + 1
