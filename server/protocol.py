@@ -167,7 +167,7 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     # GPT-2's one special token, <|endoftext|>, is left out of the text (vLLM's default,
     # skip_special_tokens=True); spacing between specials is then moot
     "skip_special_tokens": ((True,), "<|endoftext|> never enters the text"),
-    "spaces_between_special_tokens": ((True, False), ""),
+    "spaces_between_special_tokens": ((True, False), "it takes true or false"),
     **{name: ((), "structured outputs are not implemented") for name in (
         "response_format", "structured_outputs", "guided_json", "guided_regex",
         "guided_choice", "guided_grammar", "guided_decoding_backend",
