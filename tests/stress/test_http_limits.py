@@ -112,6 +112,16 @@ def test_a_stalled_body_gets_a_408(server, request_start):
     assert metric(server.url, "vllm:num_requests_running") == 0
 
 
+def test_clients_that_hang_up_mid_body_cost_no_traceback(server):
+    before = server.log().count("Traceback")
+    for _ in range(20):
+        with connect(server) as sock:
+            sock.sendall(HEAD + b"Content-Length: 1000\r\n\r\n{\"prompt\": \"abc")
+    time.sleep(0.5)
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert server.log().count("Traceback") == before
+
+
 def test_a_slow_body_that_keeps_coming_is_not_cut(server):
     """The body deadline moves with each chunk: 2 s of chunks 0.3 s apart get through, and
     only the stall after them is cut."""
