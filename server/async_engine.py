@@ -207,20 +207,23 @@ class AsyncEngine:
         await self.connection.stop(timeout)
         self.fail_open(shutting_down)
 
-    def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+    def generate(self, request_id: str, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams],
                  cache_salt: str | None = None) -> Generation:
         """Queue one engine request per prompt. A request costs P prompts x n choices
         sequences against the queue cap: 400 if it could never fit, 503 when the queue is
         too full now or the engine is down. Input the engine cannot take is a 400.
         Transactional: the request is counted and routed only once its message has been
         encoded and sent; if anything before that fails, nothing of it remains.
-        `cache_salt`: its prefix-cache tenant (vLLM's field)."""
-        self._check_admission(prompts, params)
+        `params`: every prompt's, or one each (the same n). `cache_salt`: its prefix-cache
+        tenant (vLLM's field)."""
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        self._check_admission(prompts, each)
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         arrival = time.monotonic()
         try:
-            sequences = [sequence for rid, prompt in zip(ids, prompts)
-                         for sequence in self.processor.add(rid, None, prompt, params, arrival,
+            sequences = [sequence for rid, prompt, own in zip(ids, prompts, each)
+                         for sequence in self.processor.add(rid, None, prompt, own, arrival,
                                                             cache_salt=cache_salt)]
             self.connection.send(AddSequences(sequences, self.connection.client_index))
         except Exception as exc:
@@ -230,17 +233,18 @@ class AsyncEngine:
                 raise RequestError(f"the request holds a value the engine cannot take: "
                                    f"{exc}", code="invalid_value") from None
             raise
-        generation = Generation(self, ids, params.n)
-        for index, rid in enumerate(ids):
+        generation = Generation(self, ids, each[0].n)
+        for index, (rid, own) in enumerate(zip(ids, each)):
             self._routes[rid] = (generation, index)
-            self._observe_request(params)
+            self._observe_request(own)
         return generation
 
-    def _check_admission(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        cost, cap = len(prompts) * params.n, self.max_queued_requests
+    def _check_admission(self, prompts: list[list[int]], each: list[SamplingParams]) -> None:
+        n = each[0].n
+        cost, cap = len(prompts) * n, self.max_queued_requests
         if cost > cap:
             raise RequestError(f"this request asks for {cost} sequences ({len(prompts)} "
-                               f"prompts x n={params.n}); the server queues at most {cap}",
+                               f"prompts x n={n}); the server queues at most {cap}",
                                param="prompt", code="too_many_sequences")
         if self.num_waiting + cost > cap:
             raise server_error(
@@ -248,7 +252,7 @@ class AsyncEngine:
                 "--max-queued-requests); retry shortly", "queue_full", 503)
         if not self.healthy:
             raise server_error("the engine is not running", "engine_dead", 503)
-        for prompt in prompts:
+        for prompt, params in zip(prompts, each):
             try:
                 check_fits(len(prompt), params.max_tokens, self.connection.max_model_len,
                            self.connection.pool_tokens)

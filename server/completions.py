@@ -25,7 +25,8 @@ from engine.output.tokenizer import Tokenizer
 from server.async_engine import AsyncEngine, ClientDisconnected, Generation, RequestFailed
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, Limits, RequestError, Usage, finite_logprob,
-                             parse_completion_request, parse_prompt, to_sampling_params)
+                             max_tokens_of, parse_completion_request, parse_prompt,
+                             to_sampling_params)
 
 SSE_DONE = b"data: [DONE]\n\n"
 T = TypeVar("T")
@@ -49,8 +50,8 @@ class CompletionService:
         self.check_model(req.model)
         prompts = await self.encode_prompts(parse_prompt(req.prompt, self.limits))
         engine_id = f"cmpl-{uuid.uuid4().hex}"  # unique in the engine, whatever clients send
-        generation = self.engine.generate(engine_id, prompts, self._sampling_params(req),
-                                          req.cache_salt)
+        params = self._sampling_params(req, prompts)
+        generation = self.engine.generate(engine_id, prompts, params, req.cache_salt)
         watcher = asyncio.create_task(_cancel_on_disconnect(http_request, generation))
         # vLLM's request_id field names the response
         response_id = f"cmpl-{req.request_id}" if req.request_id else engine_id
@@ -79,11 +80,18 @@ class CompletionService:
         except ValueError as exc:
             raise RequestError(f"prompt could not be used: {exc}", param="prompt") from None
 
-    def _sampling_params(self, req: CompletionRequest) -> SamplingParams:
+    def _sampling_params(self, req: CompletionRequest,
+                         prompts: list[list[int]]) -> SamplingParams | list[SamplingParams]:
+        """One SamplingParams for every prompt, or with max_tokens null one per prompt, each
+        up to the end of the context (vLLM's rule)."""
         try:
-            return to_sampling_params(req, self.limits.vocab_size)
+            params = to_sampling_params(req, self.limits.vocab_size)
         except ValueError as exc:  # SamplingParams names the field first
             raise RequestError(str(exc), param=str(exc).split()[0]) from None
+        if max_tokens_of(req) is not None:
+            return params
+        return [replace(params, max_tokens=max(1, self.limits.max_model_len - len(prompt)))
+                for prompt in prompts]
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

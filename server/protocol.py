@@ -245,9 +245,10 @@ def _check_cross_fields(req: CompletionRequest, limits: Limits) -> None:
     if req.echo and req.logprobs is not None:
         raise RequestError("echo with logprobs is not supported: the engine does not "
                            "compute prompt logprobs", param="echo")
-    if (req.min_tokens or 0) > max_tokens_of(req):
+    limit = max_tokens_of(req)
+    if limit is not None and (req.min_tokens or 0) > limit:
         raise RequestError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
-                           f"({max_tokens_of(req)})", param="min_tokens")
+                           f"({limit})", param="min_tokens")
 
 
 PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -328,7 +329,7 @@ def check_tokens_in_vocab(tokens: list[int], vocab_size: int, param: str) -> Non
 def to_sampling_params(req: CompletionRequest, vocab_size: int) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     return SamplingParams(
-        n=req.n or 1, max_tokens=max_tokens_of(req),
+        n=req.n or 1, max_tokens=max_tokens_of(req) or 1,  # null: the caller's, per prompt
         temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
         top_k=_default(req.top_k, -1), min_p=_default(req.min_p, 0.0), seed=req.seed,
         stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -341,7 +342,11 @@ def to_sampling_params(req: CompletionRequest, vocab_size: int) -> SamplingParam
         output_kind="delta")  # the server streams deltas and answers from the final output
 
 
-def max_tokens_of(req: CompletionRequest) -> int:
+def max_tokens_of(req: CompletionRequest) -> int | None:
+    """The request's max_tokens: 16 when left out, None when sent as null (vLLM's "the rest
+    of the context", which differs per prompt)."""
+    if req.max_tokens is None and "max_tokens" in req.model_fields_set:
+        return None
     return _default(req.max_tokens, 16)
 
 

@@ -326,3 +326,15 @@ def test_min_tokens_holds_back_stop_strings_and_the_stop_string_can_be_kept(http
     kept = http.post("/v1/completions", json={**body, "stop": [cut],
                                               "include_stop_str_in_output": True}).json()
     assert kept["choices"][0]["text"] == greedy[:greedy.index(cut) + len(cut)]
+
+
+def test_max_tokens_null_is_the_rest_of_each_prompts_context(http):
+    """vLLM's rule: a null max_tokens runs each prompt to max_model_len (1024 here)."""
+    prompts = [[7] * 1000, [8] * 1010]
+    answer = http.post("/v1/completions", json={"prompt": prompts, "max_tokens": None,
+                                                "ignore_eos": True, "min_tokens": 20})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 24 + 14
+    assert all(c["finish_reason"] == "length" for c in answer.json()["choices"])
+    omitted = http.post("/v1/completions", json={"prompt": [7], "ignore_eos": True}).json()
+    assert omitted["usage"]["completion_tokens"] == 16  # left out: vLLM's default of 16
