@@ -11,7 +11,8 @@ from engine.output.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from server.metrics import ServerMetrics, one_two_five_buckets
 from server.protocol import (MAX_LOGGED_UNKNOWN, CompletionChoice, CompletionLogprobs,
                              CompletionResponse, Limits, RequestError, finite_logprob,
-                             parse_completion_request, parse_prompt, to_sampling_params)
+                             max_tokens_of, parse_completion_request, parse_prompt,
+                             to_sampling_params)
 from server.completions import merge_deltas, sse_event
 
 LIMITS = Limits(vocab_size=50257, max_model_len=1024, max_n=16)
@@ -125,8 +126,11 @@ def test_nulls_mean_defaults():
     """The openai client sends explicit nulls for parameters left unset."""
     body = {"prompt": "x", "max_tokens": None, "temperature": None, "n": None, "stop": None,
             "logprobs": None, "best_of": None, "suffix": None, "echo": None}
-    params = to_sampling_params(parse_completion_request(body, LIMITS), LIMITS.vocab_size)
-    assert params.max_tokens == 16 and params.n == 1 and params.logprobs is None
+    req = parse_completion_request(body, LIMITS)
+    params = to_sampling_params(req, LIMITS.vocab_size)
+    assert params.n == 1 and params.logprobs is None and params.temperature == 1.0
+    assert max_tokens_of(req) is None  # vLLM: null is the rest of each prompt's context
+    assert max_tokens_of(parse_completion_request({"prompt": "x"}, LIMITS)) == 16
 
 
 def test_finite_logprob():

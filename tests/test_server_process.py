@@ -75,8 +75,8 @@ def test_greedy_output_over_http_equals_offline_generate(server, tiny_checkpoint
         [o.text for o in offline]
 
 
-def test_a_dead_engine_core_ends_streams_with_an_error_and_turns_health_503(tiny_checkpoint,
-                                                                             tmp_path):
+def test_a_dead_engine_core_ends_streams_with_an_error_and_the_server_exits_1(tiny_checkpoint,
+                                                                               tmp_path):
     server = ServerProcess(tiny_checkpoint, tmp_path / "server.log", "--max-num-seqs", "1")
     body = {"prompt": "go on", "max_tokens": 900, "ignore_eos": True, "stream": True}
     try:
@@ -90,9 +90,7 @@ def test_a_dead_engine_core_ends_streams_with_an_error_and_turns_health_503(tiny
                     events = [line for line in lines if line.startswith("data: ")]
                     assert events[-1] == "data: [DONE]"
                     assert "exited unexpectedly" in json.loads(events[-2][6:])["error"]["message"]
-            assert http.get("/health").status_code == 503
-            refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-            assert refused.status_code == 503
+        assert server.proc.wait(timeout=40) == 1  # for the orchestrator to restart it
     finally:
         server.stop()
 
