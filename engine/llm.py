@@ -21,7 +21,7 @@ from engine.core.scheduler import Scheduler
 from engine.output.outputs import RequestOutput
 from engine.output.processor import OutputProcessor
 from engine.output.tokenizer import Tokenizer
-from engine.spec.stats import Counter, Vector
+from engine.speculative.stats import Counter, Vector
 
 Prompt = str | list[int]
 

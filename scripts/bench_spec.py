@@ -41,8 +41,8 @@ from plot_spec import replot
 from spec_bench_engine import (Bench, acceptance, decode_seconds_per_token,
                                first_divergence, largest_k, numbers, random_tokens)
 
-from engine.spec.ngram import NgramProposer
-from engine.spec.switch import expected_tokens
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.switch import expected_tokens
 from engine.worker.spec_timing import proposer_seconds
 
 

@@ -15,8 +15,8 @@ from bench_utils import checkpoint_for
 
 from engine import LLM, SamplingParams
 from engine.core.batch import ScheduledSequence
-from engine.spec.oracle import OracleProposer
-from engine.spec.switch import SpeculationSwitch
+from oracle_proposer import OracleProposer
+from engine.speculative.switch import SpeculationSwitch
 from engine.worker.inputs import upload
 from engine.worker.spec_verify import NO_TOKEN
 

@@ -180,7 +180,7 @@ class ServerMetrics:
 
 
 class SpecMetrics:
-    """vLLM's speculative decoding counters (engine/spec/stats.py), from the engine's
+    """vLLM's speculative decoding counters (engine/speculative/stats.py), from the engine's
     cumulative counts."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:

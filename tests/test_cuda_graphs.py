@@ -16,7 +16,7 @@ from engine.worker.cuda_graphs import (MIN_MIXED_TOKENS, DecodeGraphs, DecodeSta
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 from engine.worker.cuda_graphs.draft_chain import ChainPlan, DraftChainGraphs
 from engine.worker.device import graph_row_counts
-from engine.spec.oracle import OracleProposer
+from oracle_proposer import OracleProposer
 from engine.worker.inputs import prepare_host_inputs
 
 

@@ -10,8 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_core_output_and_spec_import_no_torch():
     code = ("import sys, engine.core.scheduler, engine.core.config, engine.output.detokenize, "
-            "engine.spec.ngram, engine.spec.oracle, engine.spec.stats, "
-            "engine.spec.switch, engine.spec.draft_slots, engine.spec.speculator; "
+            "engine.speculative.ngram, engine.speculative.stats, "
+            "engine.speculative.switch, engine.speculative.draft_slots, "
+            "engine.speculative.speculator; "
             "sys.exit(int('torch' in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

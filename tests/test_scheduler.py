@@ -288,8 +288,8 @@ def test_a_draft_model_request_keeps_k_positions_of_lookahead(num_blocks):
     (the draft writes there when it drafts the next step ahead), kept through the shrink
     after the verification; where the pool has no room for them, the step runs without
     them and nothing is preempted."""
-    from engine.spec.draft_slots import DraftSlots
-    from engine.spec.speculator import Speculator
+    from engine.speculative.draft_slots import DraftSlots
+    from engine.speculative.speculator import Speculator
 
     bm = BlockManager(num_blocks, 4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64,

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.spec.oracle import OracleProposer
-from engine.spec.switch import SpeculationSwitch, StepTimes
+from oracle_proposer import OracleProposer
+from engine.speculative.switch import SpeculationSwitch, StepTimes
 
 K = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,

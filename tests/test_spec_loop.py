@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.spec.ngram import NgramProposer
-from engine.spec.oracle import OracleProposer
-from engine.spec.proposer import DraftContext
-from engine.spec.stats import SpecDecodingStats
+from engine.speculative.ngram import NgramProposer
+from oracle_proposer import OracleProposer
+from engine.speculative.proposer import DraftContext
+from engine.speculative.stats import SpecDecodingStats
 from engine.worker import layers
 from engine.worker.sampler import _step_seed
 from engine.worker.spec_verify import verify

@@ -12,7 +12,7 @@ from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.llm import LLMEngine
-from engine.spec.oracle import OracleProposer
+from oracle_proposer import OracleProposer
 from test_engine_pipeline import CompletedStep, PipelinedFakeRunner, run_random_workload
 from test_scheduler import VOCAB, next_token
 

@@ -2,10 +2,10 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.spec.ngram import NgramProposer
-from engine.spec.oracle import OracleProposer
+from engine.speculative.ngram import NgramProposer
+from oracle_proposer import OracleProposer
 from engine.core.request import Request, SamplingParams
-from engine.spec.proposer import DraftContext
+from engine.speculative.proposer import DraftContext
 
 
 def context(tokens, num_prompt=None, max_drafts=4, request_id="r"):

@@ -1,7 +1,7 @@
 """Speculative decoding counters: what each verified row adds, under vLLM's names."""
 import pytest
 
-from engine.spec.stats import Counter, SpecDecodingStats, Vector
+from engine.speculative.stats import Counter, SpecDecodingStats, Vector
 
 
 def test_rows_add_drafts_accepted_and_per_position_counts():

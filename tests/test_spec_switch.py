@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from engine.spec.switch import AcceptanceEstimate, SpeculationSwitch, StepTimes, expected_tokens
+from engine.speculative.switch import AcceptanceEstimate, SpeculationSwitch, StepTimes, expected_tokens
 
 BATCHES = (1, 4, 8, 16, 32, 128)
 

@@ -33,7 +33,7 @@ from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, Core
                                   Shutdown, SpecCounts, StepOutput, ToCore)
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.spec.speculator import Speculator, build_speculator
+from engine.speculative.speculator import Speculator, build_speculator
 
 log = logging.getLogger(__name__)
 IDLE_WAIT = 0.2  # seconds an idle core waits for work before it says it is alive

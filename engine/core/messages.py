@@ -13,7 +13,7 @@ import msgspec
 
 from engine.core.batch import TokenLogprobs
 from engine.core.request import SamplingParams
-from engine.spec.stats import SpecDecodingStats
+from engine.speculative.stats import SpecDecodingStats
 
 
 class CoreRequest(msgspec.Struct, array_like=True, gc=False):
@@ -41,7 +41,7 @@ class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
 
 
 class SpecCounts(msgspec.Struct, array_like=True, gc=False):
-    """Speculative decoding's cumulative counters (engine/spec/stats.py has their meaning)."""
+    """Speculative decoding's cumulative counters (engine/speculative/stats.py has their meaning)."""
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int

@@ -52,7 +52,7 @@ from engine.core.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
 from engine.core.request import Request, RequestStatus
-from engine.spec.speculator import Speculator
+from engine.speculative.speculator import Speculator
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,

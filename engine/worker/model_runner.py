@@ -15,7 +15,7 @@ import torch
 from engine.worker.attention import get_attention_backend
 from engine.core.batch import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.core.config import EngineConfig
-from engine.spec.switch import StepTimes
+from engine.speculative.switch import StepTimes
 from engine.worker.draft_rows import (draft_token_rows, host_drafts, position_rows,
                                       verify_drafts)
 from engine.worker.spec_timing import measure_step_times

@@ -1,4 +1,4 @@
-"""The step times the speculation switch-off decides from (engine/spec/switch.py), measured
+"""The step times the speculation switch-off decides from (engine/speculative/switch.py), measured
 at startup: a plain decode step T(B), and a speculative step S(B, k) = a verification step
 (B rows of k + 1 tokens; the mixed-step graph of that padded count on CUDA) plus the
 proposal: the n-gram proposer's host time for B requests, or the draft model's k decode
@@ -22,9 +22,9 @@ import time
 from engine.core.batch import ScheduledSequence, SchedulerOutput
 from engine.core.config import SchedulerConfig, SpeculativeConfig
 from engine.core.request import SamplingParams
-from engine.spec.ngram import NgramProposer
-from engine.spec.proposer import DraftContext
-from engine.spec.switch import StepTimes
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.proposer import DraftContext
+from engine.speculative.switch import StepTimes
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT = 256  # tokens in the cache before the measured positions

@@ -10,7 +10,7 @@ last token, which the drafter fills in:
 from __future__ import annotations
 
 from engine.core.batch import UNFILLED_DRAFT
-from engine.spec.proposer import DraftContext
+from engine.speculative.proposer import DraftContext
 
 
 class DraftSlots:

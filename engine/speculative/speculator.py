@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from engine.core.config import EngineConfig
 from engine.core.request import Request
-from engine.spec.draft_slots import DraftSlots
-from engine.spec.ngram import NgramProposer
-from engine.spec.proposer import DraftContext, Proposer
-from engine.spec.stats import SpecDecodingStats
-from engine.spec.switch import SpeculationSwitch
+from engine.speculative.draft_slots import DraftSlots
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.proposer import DraftContext, Proposer
+from engine.speculative.stats import SpecDecodingStats
+from engine.speculative.switch import SpeculationSwitch
 
 
 class Speculator:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from engine.spec.proposer import DraftContext
+from engine.speculative.proposer import DraftContext
 
 
 class OracleProposer:

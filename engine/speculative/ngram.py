@@ -23,7 +23,7 @@ shared cores), [2, 4]: 4-9 us per request per step at up to 2000 tokens of conte
 """
 from __future__ import annotations
 
-from engine.spec.proposer import DraftContext
+from engine.speculative.proposer import DraftContext
 
 
 class _RequestIndex:
