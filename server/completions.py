@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -50,9 +50,9 @@ class CompletionService:
         self.check_model(req.model)
         prompts = await self.encode_prompts(parse_prompt(req.prompt, self.limits))
         engine_id = f"cmpl-{uuid.uuid4().hex}"  # unique in the engine, whatever clients send
-        params = self._sampling_params(req, prompts)
-        generation = self.engine.generate(engine_id, prompts, params, req.cache_salt)
-        watcher = asyncio.create_task(_cancel_on_disconnect(http_request, generation))
+        params = self.sampling_params(req, prompts)
+        generation, watcher = self.submit(http_request, engine_id, prompts, params,
+                                          req.cache_salt)
         # vLLM's request_id field names the response
         response_id = f"cmpl-{req.request_id}" if req.request_id else engine_id
         reply = _Reply(self, req, response_id, prompts)
@@ -60,6 +60,14 @@ class CompletionService:
             return StreamingResponse(reply.stream(generation, watcher),
                                      media_type="text/event-stream")
         return await reply.collect(generation, watcher)
+
+    def submit(self, http_request: Request, engine_id: str, prompts: list[list[int]],
+               params: SamplingParams | list[SamplingParams],
+               cache_salt: str | None) -> tuple[Generation, asyncio.Task[None]]:
+        """Queue the prompts in the engine, with a watcher that aborts them when the client
+        goes away; `finish` ends both."""
+        generation = self.engine.generate(engine_id, prompts, params, cache_salt)
+        return generation, asyncio.create_task(_cancel_on_disconnect(http_request, generation))
 
     def check_model(self, model: str | None) -> None:
         """None or "" is the served model, as in vLLM."""
@@ -80,8 +88,8 @@ class CompletionService:
         except ValueError as exc:
             raise RequestError(f"prompt could not be used: {exc}", param="prompt") from None
 
-    def _sampling_params(self, req: CompletionRequest,
-                         prompts: list[list[int]]) -> SamplingParams | list[SamplingParams]:
+    def sampling_params(self, req: CompletionRequest,
+                        prompts: list[list[int]]) -> SamplingParams | list[SamplingParams]:
         """One SamplingParams for every prompt, or with max_tokens null one per prompt, each
         up to the end of the context (vLLM's rule)."""
         try:
@@ -138,9 +146,48 @@ def _joined(choices: list[CompletionOutput]) -> CompletionOutput:
                    delta_logprobs=logprobs)
 
 
-def _finish(generation: Generation, watcher: asyncio.Task[None]) -> None:
+def finish(generation: Generation, watcher: asyncio.Task[None]) -> None:
     watcher.cancel()
     generation.close()
+
+
+async def collect_outputs(generation: Generation, watcher: asyncio.Task[None]
+                          ) -> dict[int, RequestOutput] | Response:
+    """Every prompt's last output, by prompt index; or the response to send instead: 499
+    when the client went away (nobody reads it), the error when the request failed."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for ready in generation:
+            finals.update(ready)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except RequestFailed as exc:
+        return JSONResponse(exc.error.body(), status_code=exc.error.status)
+    finally:
+        finish(generation, watcher)
+    return finals
+
+
+async def stream_events(generation: Generation, watcher: asyncio.Task[None],
+                        events_of: Callable[[list[tuple[int, RequestOutput]]], Iterable[bytes]],
+                        closing: Callable[[], Iterable[bytes]]) -> AsyncIterator[bytes]:
+    """An SSE body: `events_of(ready)` for each batch of outputs, `closing()` once they are
+    all done, then [DONE]. A failed request ends with its error event and [DONE]; a client
+    that went away ends it silently."""
+    try:
+        async for ready in generation:
+            for event in events_of(ready):
+                yield event
+        for event in closing():
+            yield event
+        yield SSE_DONE
+    except ClientDisconnected:
+        return
+    except RequestFailed as exc:
+        yield sse_event(exc.error.body())
+        yield SSE_DONE
+    finally:
+        finish(generation, watcher)
 
 
 class _Reply:
@@ -157,40 +204,30 @@ class _Reply:
         self.finish_sent: set[int] = set()
 
     async def collect(self, generation: Generation, watcher: asyncio.Task[None]) -> Response:
-        try:
-            async for ready in generation:
-                self.finals.update(ready)
-        except ClientDisconnected:
-            return Response(status_code=499)  # nobody is listening
-        except RequestFailed as exc:
-            return JSONResponse(exc.error.body(), status_code=exc.error.status)
-        finally:
-            _finish(generation, watcher)
+        finals = await collect_outputs(generation, watcher)
+        if isinstance(finals, Response):
+            return finals
+        self.finals = finals
         choices = [self._whole_choice(i, choice) for i in sorted(self.finals)
                    for choice in self.finals[i].outputs]
         # pydantic's JSON writes any stray NaN/inf as null: the body is always valid JSON
         return Response(msgspec.json.encode(self._response(choices, self.usage())),
                         media_type="application/json")
 
-    async def stream(self, generation: Generation,
-                     watcher: asyncio.Task[None]) -> AsyncIterator[str]:
-        try:
-            async for ready in generation:
-                self.finals.update(ready)
-                for prompt_index, choice in merge_deltas(ready):
-                    chunk = self._delta_choice(prompt_index, choice)
-                    if chunk is not None:
-                        yield sse_event(self._response([chunk], None))
-            if self.req.include_usage:
-                yield sse_event(self._response([], self.usage()))
-            yield SSE_DONE
-        except ClientDisconnected:
-            return
-        except RequestFailed as exc:
-            yield sse_event(exc.error.body())
-            yield SSE_DONE
-        finally:
-            _finish(generation, watcher)
+    def stream(self, generation: Generation,
+               watcher: asyncio.Task[None]) -> AsyncIterator[bytes]:
+        return stream_events(generation, watcher, self._events, self._closing)
+
+    def _events(self, ready: list[tuple[int, RequestOutput]]) -> Iterator[bytes]:
+        self.finals.update(ready)
+        for prompt_index, choice in merge_deltas(ready):
+            chunk = self._delta_choice(prompt_index, choice)
+            if chunk is not None:
+                yield sse_event(self._response([chunk], None))
+
+    def _closing(self) -> Iterator[bytes]:
+        if self.req.include_usage:
+            yield sse_event(self._response([], self.usage()))
 
     def _response(self, choices: list[CompletionChoice],
                   usage: Usage | None) -> CompletionResponse:
