@@ -21,7 +21,10 @@ def test_preset_names_its_model():
 
 def test_flat_overrides_reach_their_section():
     config = load_config(CONFIGS / "gpt2.yaml", block_size=32, dtype="bfloat16",
-                         max_num_seqs=4, num_kv_blocks=None)
+                         max_num_seqs=4, num_kv_blocks=None, scheduling_policy="priority",
+                         num_cpu_threads=1)
+    assert config.scheduler.scheduling_policy == "priority"
+    assert config.model.num_cpu_threads == 1
     assert config.cache.block_size == 32
     assert config.model.dtype == "bfloat16"
     assert config.scheduler.max_num_seqs == 4
@@ -30,7 +33,8 @@ def test_flat_overrides_reach_their_section():
 
 @pytest.mark.parametrize("field, value", [
     ("block_size", 12), ("dtype", "float64"), ("max_model_len", 2048),
-    ("gpu_memory_utilization", 1.5), ("max_num_seqs", 0), ("device", "tpu")])
+    ("gpu_memory_utilization", 1.5), ("max_num_seqs", 0), ("device", "tpu"),
+    ("scheduling_policy", "lifo"), ("num_cpu_threads", 0)])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         EngineConfig.from_flat(**{field: value})

@@ -15,7 +15,7 @@ from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
 from engine.core.request import EOS_TOKEN_ID, Request, RequestStatus, SamplingParams
-from engine.core.scheduler import Scheduler, check_fits
+from engine.core.scheduler import PriorityWaitingQueue, Scheduler, check_fits
 
 VOCAB = 97
 
@@ -69,10 +69,10 @@ class FakeRunner:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
 
-def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, prefix=True):
+def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, prefix=True, policy="fcfs"):
     bm = BlockManager(num_blocks, block_size, prefix)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                      max_model_len=1024), bm)
+                                      max_model_len=1024, scheduling_policy=policy), bm)
     return sched, bm, FakeRunner(num_blocks, block_size)
 
 
@@ -89,11 +89,14 @@ def run_to_completion(sched, bm, runner, max_steps=10_000):
                 assert req.request_id not in finished, "finished twice"
                 finished[req.request_id] = req
         bm.check_invariants()
+        sched.check_invariants()
     raise AssertionError("did not finish")
 
 
-def add(sched, rid, prompt, max_tokens):
-    req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+def add(sched, rid, prompt, max_tokens, priority=0, arrival_time=None):
+    arrival = {} if arrival_time is None else {"arrival_time": arrival_time}
+    req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                  priority=priority, **arrival)
     sched.add(req)
     return req
 
@@ -203,10 +206,14 @@ def test_rejects_requests_over_context_or_pool():
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10**6), num_blocks=st.integers(8, 40),
        block_size=st.sampled_from([1, 2, 4, 8]), budget=st.integers(1, 40),
-       max_seqs=st.integers(1, 6), prefix=st.booleans())
-def test_random_workloads(seed, num_blocks, block_size, budget, max_seqs, prefix):
+       max_seqs=st.integers(1, 6), prefix=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority"]))
+def test_random_workloads(seed, num_blocks, block_size, budget, max_seqs, prefix, policy):
+    """Under either policy (random priorities, ties included): every output matches the
+    reference through preemptions and aborts, the queues stay consistent and in the
+    policy's order, and nothing starves."""
     rng = random.Random(seed)
-    sched, bm, runner = make(num_blocks, block_size, budget, max_seqs, prefix)
+    sched, bm, runner = make(num_blocks, block_size, budget, max_seqs, prefix, policy)
     capacity = num_blocks * block_size
     expected, aborted, finished = {}, set(), {}
     for step in range(400):
@@ -216,7 +223,8 @@ def test_random_workloads(seed, num_blocks, block_size, budget, max_seqs, prefix
                                                               for _ in range(rng.randint(1, 12))]
             max_tokens = rng.randint(1, max(1, min(12, capacity - len(prompt))))
             if len(prompt) + max_tokens <= capacity:
-                add(sched, f"r{step}", prompt, max_tokens)
+                add(sched, f"r{step}", prompt, max_tokens, priority=rng.randint(-2, 2),
+                    arrival_time=float(rng.randint(0, 20)))
                 expected[f"r{step}"] = reference_output(prompt, max_tokens)
         if sched.requests and rng.random() < 0.05:
             rid = rng.choice(sorted(sched.requests))
@@ -228,6 +236,7 @@ def test_random_workloads(seed, num_blocks, block_size, budget, max_seqs, prefix
                 assert req.request_id not in finished
                 finished[req.request_id] = req
         bm.check_invariants()
+        sched.check_invariants()
         if step >= 40 and not sched.has_unfinished():
             break
     assert not sched.has_unfinished(), "requests starved"
@@ -307,3 +316,71 @@ def test_a_draft_model_request_keeps_k_positions_of_lookahead(num_blocks):
     assert sched.running[0].num_computed_tokens == 8
     assert len(bm.block_ids("a")) == 3  # 8 computed + 4 of lookahead, or cut to the 3 held
     bm.check_invariants()
+
+
+def test_priority_admits_a_later_urgent_request_before_earlier_ones():
+    """Under the priority policy the waiting queue is ordered by (priority, arrival): a
+    request arriving last with a lower priority value is admitted first, then the rest by
+    priority and, within one priority, by arrival. Under fcfs, arrival order alone."""
+    arrivals = [("early-low", 5), ("mid-low", 5), ("middling", 1), ("late-urgent", -3)]
+    for policy, expected in (("priority", ["late-urgent", "middling", "early-low", "mid-low"]),
+                             ("fcfs", ["early-low", "mid-low", "middling", "late-urgent"])):
+        sched, _, runner = make(max_seqs=1, policy=policy)
+        for arrival, (rid, priority) in enumerate(arrivals):
+            add(sched, rid, [1, 2, 3], 2, priority=priority, arrival_time=float(arrival))
+        admitted = []
+        while sched.has_unfinished():
+            out = sched.schedule()
+            admitted += [s.request_id for s in out.sequences if s.start_position == 0]
+            sched.update(out, runner.execute(out))
+            sched.check_invariants()
+        assert admitted == expected, policy
+
+
+def test_priority_preempts_the_worst_running_request_first():
+    """Out of blocks, the running request with the worst (priority, arrival) is preempted,
+    not the newest: here the one admitted first; the urgent ones keep their blocks."""
+    sched, bm, runner = make(num_blocks=6, block_size=4, budget=64, policy="priority")
+    low = add(sched, "low", list(range(8)), 12, priority=9, arrival_time=0.0)
+    out = sched.schedule()  # low alone: admitted before the others arrive
+    sched.update(out, runner.execute(out))
+    urgent = [add(sched, f"urgent{i}", list(range(10 + i, 14 + i)), 8, priority=0,
+                  arrival_time=1.0 + i) for i in range(2)]
+    out = sched.schedule()
+    sched.update(out, runner.execute(out))
+    assert [r.request_id for r in sched.running] == ["urgent0", "urgent1", "low"]
+    while not sched.num_preemptions:
+        out = sched.schedule()
+        sched.update(out, runner.execute(out))
+        sched.check_invariants()
+    assert low.num_preemptions == 1 and all(r.num_preemptions == 0 for r in urgent)
+    run_to_completion(sched, bm, runner)
+    for req in [low, *urgent]:
+        assert req.output_token_ids == reference_output(req.prompt_token_ids,
+                                                        req.params.max_tokens)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["push", "pop", "remove"]),
+                              st.integers(0, 7), st.integers(-2, 2), st.integers(0, 3)),
+                    max_size=120))
+def test_priority_queue_pops_in_key_order_through_removals_and_reused_ids(ops):
+    """Against a sorted-list model: pops come in (priority, arrival, push order) order,
+    whatever was removed before, and an id removed then reused never revives its old entry."""
+    queue, model, serial = PriorityWaitingQueue(), [], 0
+    for op, rid_num, priority, arrival in ops:
+        rid = f"r{rid_num}"
+        if op == "push" and rid not in {r.request_id for _, r in model}:
+            req = Request(rid, [1], SamplingParams(), arrival_time=float(arrival),
+                          priority=priority)
+            queue.append(req)
+            model.append(((priority, float(arrival), serial), req))
+            serial += 1
+        elif op == "pop" and model:
+            model.sort(key=lambda entry: entry[0])
+            assert queue.popleft() is model.pop(0)[1]
+        elif op == "remove" and any(r.request_id == rid for _, r in model):
+            queue.remove(rid)
+            model = [entry for entry in model if entry[1].request_id != rid]
+        assert len(queue) == len(model)
+        assert list(queue) == [r for _, r in sorted(model, key=lambda entry: entry[0])]

@@ -1,9 +1,10 @@
 """One config source: frozen dataclasses, validated once at startup.
 
     EngineConfig
-      ├── model:     ModelConfig       which checkpoint, dtype, device, attention backend
+      ├── model:     ModelConfig       which checkpoint, dtype, device, attention backend,
+      │                                CPU threads
       ├── cache:     CacheConfig       block size, pool size, prefix caching
-      ├── scheduler: SchedulerConfig   token budget, sequence cap, context length
+      ├── scheduler: SchedulerConfig   token budget, sequence cap, context length, policy
       └── speculative: SpeculativeConfig | None   proposer and draft length (None: off)
 
 Presets live in `configs/*.yaml` (nested by section); `load_config(path, overrides)` merges
@@ -21,6 +22,7 @@ from typing import Any
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 DEVICES = ("cpu", "cuda", "auto")
 ATTENTION_BACKENDS = ("torch", "triton", "auto")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 MAX_CONTEXT = 1024  # every GPT-2 size has 1024 learned positions
 
 
@@ -46,6 +48,9 @@ class ModelConfig:
     # Triton's cache, so a restart with nothing changed skips measuring (engine/worker/startup.py)
     startup_cache: bool = True
     seed: int = 0
+    # torch threads of the server's engine core on CPU; None: one per core it may run on
+    # (os.sched_getaffinity), see server/engine_process.py
+    num_cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model", self.model, "must name a hub id or a directory")
@@ -53,6 +58,9 @@ class ModelConfig:
         _check(self.device in DEVICES, "device", self.device, f"one of {DEVICES}")
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                self.attention_backend, f"one of {ATTENTION_BACKENDS}")
+        _check(self.num_cpu_threads is None or (_is_int(self.num_cpu_threads)
+               and self.num_cpu_threads >= 1), "num_cpu_threads", self.num_cpu_threads,
+               "an integer >= 1, or None (the cores this process may run on)")
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,8 @@ class SchedulerConfig:
     max_model_len: int = MAX_CONTEXT  # prompt + output tokens of one request
     # schedule step N+1 while step N runs (LLMEngine.step); off: each step is waited for
     async_scheduling: bool = True
+    # vLLM's: fcfs, or priority (requests' `priority`, lower first; see Scheduler)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
@@ -88,6 +98,8 @@ class SchedulerConfig:
                self.max_num_batched_tokens, ">= 1")
         _check(1 <= self.max_model_len <= MAX_CONTEXT, "max_model_len", self.max_model_len,
                f"in [1, {MAX_CONTEXT}]")
+        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+               self.scheduling_policy, f"one of {SCHEDULING_POLICIES}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -135,6 +135,7 @@ class Request:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None  # its prefix-cache tenant: see BlockManager
+    priority: int = 0  # lower is scheduled first, under the priority policy only
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

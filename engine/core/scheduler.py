@@ -5,8 +5,14 @@ Each step:
      chunk of an unfinished prompt). If the block pool runs dry, the newest running request
      is preempted: its blocks are freed and it goes back to the front of the queue, to be
      recomputed later from prompt + tokens generated so far (nothing lost or repeated).
-  2. waiting requests are admitted FCFS while budget, sequence slots and blocks allow; each
-     starts after its longest cached prefix.
+  2. waiting requests are admitted in queue order while budget, sequence slots and blocks
+     allow; each starts after its longest cached prefix.
+
+The queue order is the scheduling policy (SchedulerConfig.scheduling_policy, vLLM's):
+  fcfs      arrival order; a preempted request goes back to the front.
+  priority  (priority, arrival_time), lower first. The running list is kept in the same order,
+            so the running request preempted first (the last) is the one with the worst
+            (priority, arrival_time), and the best get their tokens first.
 
     budget 8 tokens:  [A decode][B decode][C prompt chunk: 6 tokens]   -> one forward pass
 
@@ -44,6 +50,9 @@ the request would sit out every other step.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -102,14 +111,71 @@ class WaitingQueue:
         del self._requests[request_id]
 
 
+def priority_key(request: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority value first, then earlier arrival."""
+    return request.priority, request.arrival_time
+
+
+class PriorityWaitingQueue:
+    """The waiting queue under the priority policy: a heap on (priority, arrival_time), with
+    WaitingQueue's interface. O(log n) push and pop; removal by id is O(1), leaving a stale
+    heap entry that pops skip (entries are matched by a serial number, so a reused request id
+    never revives one); the heap is rebuilt once stale entries outnumber live ones. A
+    preempted request goes back to its place by its key: ahead of later arrivals of its
+    priority."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, Request] = {}
+        self._serial_of: dict[str, int] = {}  # request id -> serial of its live heap entry
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._serials = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In the order popleft would take them (O(n log n): for tests and checks)."""
+        return (entry[3] for entry in sorted(self._live()))
+
+    def append(self, request: Request) -> None:
+        serial = next(self._serials)
+        self._requests[request.request_id] = request
+        self._serial_of[request.request_id] = serial
+        heapq.heappush(self._heap, (*priority_key(request), serial, request))
+
+    appendleft = append  # the key, not the end it joins, places a request
+
+    def first(self) -> Request:
+        while self._serial_of.get(self._heap[0][3].request_id) != self._heap[0][2]:
+            heapq.heappop(self._heap)  # removed since it was pushed
+        return self._heap[0][3]
+
+    def popleft(self) -> Request:
+        request = self.first()
+        heapq.heappop(self._heap)
+        self.remove(request.request_id)
+        return request
+
+    def remove(self, request_id: str) -> None:
+        del self._requests[request_id]
+        del self._serial_of[request_id]
+        if len(self._heap) > 2 * len(self._requests) + 64:  # mostly stale: rebuild
+            self._heap = self._live()
+            heapq.heapify(self._heap)
+
+    def _live(self) -> list[tuple[int, float, int, Request]]:
+        return [e for e in self._heap if self._serial_of.get(e[3].request_id) == e[2]]
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  clock=time.monotonic, speculator: Speculator | None = None):
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
-        self.waiting = WaitingQueue()
-        self.running: list[Request] = []
+        self.by_priority = config.scheduling_policy == "priority"
+        self.waiting = PriorityWaitingQueue() if self.by_priority else WaitingQueue()
+        self.running: list[Request] = []  # admission order, or priority_key order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.speculator = speculator
@@ -147,6 +213,26 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def check_invariants(self) -> None:
+        """Assert the queues are consistent: every request is running or waiting, never both,
+        with the matching status, and `running` is in the policy's order (its last request
+        is preempted first). Cheap enough to call after every step in tests."""
+        running_ids = [r.request_id for r in self.running]
+        waiting = list(self.waiting)
+        assert len(set(running_ids)) == len(running_ids), "a request runs twice"
+        assert set(running_ids) | {r.request_id for r in waiting} == set(self.requests)
+        assert len(running_ids) + len(waiting) == len(self.requests), "running and waiting"
+        assert all(r.status is RequestStatus.RUNNING for r in self.running)
+        assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                   for r in waiting)
+        assert len(self.running) <= self.config.max_num_seqs
+        if self.by_priority:
+            keys = [priority_key(r) for r in self.running]
+            assert keys == sorted(keys), "running is out of priority order"
+            keys = [priority_key(r) for r in waiting]
+            assert keys == sorted(keys), "waiting is out of priority order"
+            assert not waiting or self.waiting.first() is waiting[0]
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -192,8 +278,9 @@ class Scheduler:
                 and not (self.speculator and self.speculator.may_speculate(request)))
 
     def _schedule_running(self, budget: int, preempted: list[str]) -> int:
-        """Victims of preemption come from the tail, never from the requests before i, so
-        none of the requests scheduled here is preempted afterwards."""
+        """Victims of preemption come from the tail (the newest request, or the worst by
+        priority), never from the requests before i, so none of the requests scheduled here
+        is preempted afterwards."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -248,9 +335,16 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
-            self.running.append(request)
+            self._add_running(request)
             self._scheduled.append((request, num_new, []))
             budget -= num_new
+
+    def _add_running(self, request: Request) -> None:
+        """Keep `running` in the policy's order: its last request is preempted first."""
+        if self.by_priority:
+            bisect.insort_right(self.running, request, key=priority_key)
+        else:
+            self.running.append(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
