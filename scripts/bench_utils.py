@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from engine.worker.models.random_checkpoint import ARCHS, make_checkpoint
+from kernels.timing import cuda_ms
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from kernels.timing import cuda_ms  # noqa: E402  (needs ROOT on sys.path)
 BENCH_DIR = ROOT / "docs" / "benchmarks"
 
 
@@ -47,12 +48,11 @@ def device_info() -> dict:
 
 def checkpoint_for(model: str) -> str:
     """A named arch without a local copy becomes a random checkpoint under checkpoints/."""
-    import make_checkpoint as make  # a sibling script: scripts/ is on sys.path
-    if model in make.ARCHS:
+    if model in ARCHS:
         out = ROOT / "checkpoints" / f"{model}-random"
         if not (out / "config.json").exists():
             print(f"writing random-weight {model} checkpoint to {out}", flush=True)
-            make.make_checkpoint(out, arch=model, dtype="float16")
+            make_checkpoint(out, arch=model, dtype="float16")
         return str(out)
     return model
 

@@ -2,20 +2,14 @@
 format, built once per test session; tests load it the way the engine loads real weights."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "scripts"):  # `pytest` run from anywhere imports engine/, kernels/
-    if str(path) not in sys.path:      # and the scripts
-        sys.path.insert(0, str(path))
+from engine.worker.models.random_checkpoint import make_checkpoint
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from make_checkpoint import make_checkpoint
-
     return make_checkpoint(tmp_path_factory.mktemp("tiny-gpt2"), n_layer=2, n_embd=64,
                            n_head=4, seed=0)

@@ -13,6 +13,7 @@ import pytest
 from engine import SamplingParams
 from engine.core.config import ConfigError
 from engine.worker.cuda_graphs.draft_chain import DraftChainGraphs
+from engine.worker.models.random_checkpoint import make_checkpoint
 from server_harness import ServerProcess, metric
 from test_cli import serve
 from test_cuda_graphs import replay_eagerly
@@ -24,8 +25,6 @@ __all__ = ["plain_greedy", "prompts", "seeded"]  # fixtures shared with test_spe
 
 @pytest.fixture(scope="session")
 def small_draft(tmp_path_factory):
-    from make_checkpoint import make_checkpoint
-
     return make_checkpoint(tmp_path_factory.mktemp("draft-gpt2"), n_layer=1, n_embd=32,
                            n_head=2, seed=1)
 
