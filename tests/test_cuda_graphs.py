@@ -16,8 +16,8 @@ from engine.worker.cuda_graphs import (MIN_MIXED_TOKENS, DecodeGraphs, DecodeSta
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 from engine.worker.cuda_graphs.draft_chain import ChainPlan, DraftChainGraphs
 from engine.worker.device import graph_row_counts
-from oracle_proposer import OracleProposer
 from engine.worker.inputs import prepare_host_inputs
+from fakes import ScriptedProposer, drafts_at_rate
 
 
 def test_capture_sizes_cover_every_batch():
@@ -312,8 +312,8 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
         tiny_checkpoint, monkeypatch, params, method):
     """Verification steps (k + 1 tokens a decoding row, a sampling row per draft position)
     replay the mixed-step graph of their padded token count, replaced by eager replays as
-    above: the tokens are those of plain eager decoding. For the n-gram method the oracle
-    proposer replays them, each draft corrupted with probability 0.3; the draft model (the
+    above: the tokens are those of plain eager decoding. For the n-gram method a scripted
+    proposer drafts them, each draft corrupted with probability 0.3; the draft model (the
     target's own weights, its iterations through chain graphs replayed eagerly too) writes
     its drafts into the staged token ids on the device."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
@@ -343,9 +343,9 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
                 1024, torch.device("cpu"), 3)
             replay_eagerly(chain)
         if speculative and method == "ngram":
-            oracle = llm.engine.core.speculator.proposer = OracleProposer(0.7, 50257)
-            for i, reference in enumerate(results[0]):
-                oracle.add(f"{i}#0", reference)  # the LLM's own request ids
+            proposer = llm.engine.core.speculator.proposer = ScriptedProposer()
+            for i, reference in enumerate(results[0]):  # the LLM's own request ids
+                proposer.add(f"{i}#0", drafts_at_rate(reference, 0.7, i, 50257))
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert results[0] == results[1]
     assert llm.engine.core.speculator.stats.num_accepted_tokens > 0

@@ -1,5 +1,5 @@
 """Speculative decoding in the engine (CPU, tiny random GPT-2): output token for token the same
-as without it, greedy (n-gram proposer) and seeded-sampled (oracle proposer), in mixed batches,
+as without it, greedy (n-gram proposer) and seeded-sampled (scripted drafts), in mixed batches,
 with prefix caching, 7-token chunks, preemption and either scheduling mode; stops inside an
 accepted run; no KV kept for rejected drafts; the switch-off; the counters."""
 import random
@@ -7,8 +7,8 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from oracle_proposer import OracleProposer
 from engine.speculative.switch import SpeculationSwitch, StepTimes
+from fakes import ScriptedProposer, drafts_at_rate
 
 K = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
@@ -88,13 +88,12 @@ def test_the_second_prompt_reuses_the_first_ones_cached_blocks(tiny_checkpoint, 
 
 
 def oracle_llm(checkpoint, references, rate, **overrides):
-    """An engine whose proposer replays references[i] for request i (LLM ids count from 0,
-    one sequence each: "{i}#0")."""
+    """An engine whose proposer drafts references[i] for request i (LLM ids count from 0,
+    one sequence each: "{i}#0"), each token kept with probability `rate`."""
     llm = make_llm(checkpoint, speculative_config=NGRAM, **overrides)
-    oracle = OracleProposer(rate, vocab_size=50257, seed=1)
+    proposer = llm.engine.core.speculator.proposer = ScriptedProposer()
     for i, reference in enumerate(references):
-        oracle.add(f"{i}#0", reference)
-    llm.engine.core.speculator.proposer = oracle
+        proposer.add(f"{i}#0", drafts_at_rate(reference, rate, seed=1, vocab_size=50257))
     return llm
 
 
@@ -214,12 +213,12 @@ def test_an_aborted_speculating_request_frees_everything(tiny_checkpoint, prompt
 def test_step_times_are_measured_for_each_batch_size_and_draft_length(tiny_checkpoint):
     """The switch-off's cost model, measured as on a GPU at startup (there by the runner
     itself): every batch size whose verification step fits the token budget, every k."""
-    from engine.worker.spec_timing import measure_step_times
+    from engine.speculative.timing import measure_step_times
 
     llm = make_llm(tiny_checkpoint, speculative_config=NGRAM, max_num_seqs=6,
                    max_num_batched_tokens=20)
     config = llm.engine.config
-    assert llm.engine.runner.measure_spec_step_times() is None  # CPU: no switch-off
+    assert llm.engine.core.speculator.switch is None  # CPU: no switch-off
     times = measure_step_times(llm.engine.runner, config.speculative, config.scheduler,
                                repeats=1)
     assert times.batch_sizes == (1, 2, 4)  # 4 rows of k + 1 = 5 tokens fill the budget
@@ -233,7 +232,7 @@ def test_plain_steps_are_timed_as_the_loop_runs_them(async_scheduling):
     with plain steps as the loop runs them: pipelined with async scheduling (every launch
     before the first wait), one at a time without it; speculative steps one at a time."""
     from engine.core.config import SchedulerConfig, SpeculativeConfig
-    from engine.worker.spec_timing import measure_step_times
+    from engine.speculative.timing import measure_step_times
 
     events = []
 

@@ -1,5 +1,5 @@
 """The pieces composed as the engine will compose them, on a tiny random GPT-2: a decoding
-loop that proposes (n-gram, oracle, or a draft model), scores the k + 1 positions with the
+loop that proposes (n-gram, scripted drafts, or a draft model), scores the k + 1 positions with the
 target in one forward, and verifies. Its output must equal plain decoding's, token for token,
 greedy and seeded-sampled alike; this is the reference the integrated engine must match."""
 import numpy as np
@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from engine.speculative.ngram import NgramProposer
-from oracle_proposer import OracleProposer
 from engine.speculative.proposer import DraftContext
 from engine.speculative.stats import SpecDecodingStats
 from engine.worker import layers
 from engine.worker.sampler import _step_seed
 from engine.worker.spec_verify import verify
+from fakes import ScriptedProposer, drafts_at_rate
 
 STEPS, K, SEED = 40, 4, 1234
 PROMPT = [17, 250, 3, 99, 42, 7] * 3  # repeats: the n-gram proposer finds matches
@@ -101,15 +101,16 @@ def test_ngram_speculation_changes_no_token(model, plain, temperature):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("rate", [0.0, 0.7, 1.0])
-def test_oracle_speculation_changes_no_token_and_accepts_as_set(model, plain, rate,
-                                                                temperature):
-    """The oracle replays plain decoding's own output (seeded: its own draws), so an intact
-    draft is always accepted and a corrupted one never."""
+def test_scripted_speculation_changes_no_token_and_accepts_as_set(model, plain, rate,
+                                                                  temperature):
+    """The drafts are plain decoding's own output (seeded: its own draws), each token kept
+    with probability `rate`, so an intact draft is always accepted and a corrupted one never."""
     reference = plain[temperature]
-    oracle = OracleProposer(rate, vocab_size=model.config.vocab_size, seed=5)
-    oracle.add("r", reference)
+    proposer = ScriptedProposer()
+    proposer.add("r", drafts_at_rate(reference, rate, seed=5,
+                                     vocab_size=model.config.vocab_size))
     stats = SpecDecodingStats(K)
-    assert speculative_decode(model, oracle, temperature, stats) == reference
+    assert speculative_decode(model, proposer, temperature, stats) == reference
     if rate == 1.0:  # every step takes all drafts and the bonus: k + 1 tokens a step
         assert stats.num_accepted_tokens == stats.num_draft_tokens
         assert stats.num_drafts == -(-(STEPS - 1) // (K + 1))

@@ -1,6 +1,6 @@
 """Speculative decoding in LLMEngine.step() under random arrivals, aborts, stop strings,
 chunking and preemption, with the prefix-dependent fake runner (no torch) taught to verify
-drafts as the real one does: an oracle proposer replays each request's reference output with
+drafts as the real one does: a scripted proposer drafts each request's reference output with
 corruptions, and every request must still end with a prefix of its reference, exactly once,
 leaking no block."""
 import random
@@ -12,7 +12,7 @@ from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.llm import LLMEngine
-from oracle_proposer import OracleProposer
+from fakes import ScriptedProposer, drafts_at_rate
 from test_engine_pipeline import CompletedStep, PipelinedFakeRunner, run_random_workload
 from test_scheduler import VOCAB, next_token
 
@@ -22,9 +22,6 @@ K = 3
 class VerifyingFakeRunner(PipelinedFakeRunner):
     """A sequence with d drafts samples at its last d + 1 positions (the fake model's token
     after each prefix) and accepts its drafts while they equal those samples."""
-
-    def measure_spec_step_times(self):
-        return None
 
     def launch(self, out: SchedulerOutput) -> CompletedStep:
         result = super().launch(out).result
@@ -68,9 +65,9 @@ def run_workload(seed, num_blocks, budget, rate, async_scheduling):
                                     async_scheduling=async_scheduling,
                                     speculative_config={"num_speculative_tokens": K})
     engine = LLMEngine(config, runner=VerifyingFakeRunner(num_blocks, 4))
-    oracle = OracleProposer(rate, VOCAB, seed=seed)
-    engine.core.speculator.proposer = oracle
-    run_random_workload(engine, random.Random(seed), on_add=oracle.add)
+    proposer = engine.core.speculator.proposer = ScriptedProposer()
+    run_random_workload(engine, random.Random(seed), on_add=lambda seq_id, reference:
+                        proposer.add(seq_id, drafts_at_rate(reference, rate, seed, VOCAB)))
     assert engine.block_manager.num_free_blocks == num_blocks
     return engine.core.speculator.stats
 
@@ -83,7 +80,7 @@ def test_a_request_that_may_speculate_keeps_pace_beside_one_running_ahead():
                                     async_scheduling=True,
                                     speculative_config={"num_speculative_tokens": K})
     engine = LLMEngine(config, runner=VerifyingFakeRunner(64, 4))
-    engine.core.speculator.proposer = OracleProposer(1.0, VOCAB)  # knows no request: no drafts
+    engine.core.speculator.proposer = ScriptedProposer()  # scripts no request: no drafts
     engine.add_request("may", [1, 2, 3], SamplingParams(max_tokens=12, ignore_eos=True))
     engine.add_request("ahead", [4, 5, 6], SamplingParams(max_tokens=12, ignore_eos=True,
                                                           logprobs=1))

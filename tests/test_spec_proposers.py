@@ -1,9 +1,8 @@
-"""Proposers: n-gram prompt lookup (against a brute-force reference) and the benchmark oracle."""
+"""Proposers: n-gram prompt lookup (against a brute-force reference)."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from engine.speculative.ngram import NgramProposer
-from oracle_proposer import OracleProposer
 from engine.core.request import Request, SamplingParams
 from engine.speculative.proposer import DraftContext
 
@@ -84,53 +83,6 @@ def test_ngram_release_and_reused_ids_start_fresh():
 def test_ngram_rejects_bad_bounds():
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramProposer(3, 2)
-
-
-REFERENCE = list(range(100, 120))
-
-
-def test_oracle_at_full_acceptance_replays_the_reference():
-    oracle = OracleProposer(1.0, vocab_size=50257)
-    oracle.add("r", REFERENCE)
-    assert oracle.propose(context([0, 1], max_drafts=4)) == REFERENCE[:4]
-    # three tokens out: the drafts continue from the fourth
-    assert oracle.propose(context([0, 1] + REFERENCE[:3], num_prompt=2)) == REFERENCE[3:7]
-    assert oracle.propose(context([0] + REFERENCE[:18], num_prompt=1)) == REFERENCE[18:]
-
-
-def test_oracle_at_zero_acceptance_changes_every_token():
-    oracle = OracleProposer(0.0, vocab_size=3)
-    oracle.add("r", [0, 1, 2] * 50)
-    drafts = oracle.propose(context([7], max_drafts=150))
-    assert len(drafts) == 150
-    assert all(d != t and 0 <= d < 3 for d, t in zip(drafts, [0, 1, 2] * 50))
-
-
-@pytest.mark.parametrize("rate", [0.3, 0.7, 0.9])
-def test_oracle_keeps_each_token_with_probability_a(rate):
-    positions = 20000
-    oracle = OracleProposer(rate, vocab_size=50257, seed=3)
-    oracle.add("r", [7] * positions)
-    kept = oracle.propose(context([1], max_drafts=positions)).count(7)
-    # binomial standard deviation <= 0.0036 at 20000 draws: 4 sigma
-    assert abs(kept / positions - rate) < 0.015
-
-
-def test_oracle_is_reproducible_per_seed_and_request():
-    def drafts(seed, request_id):
-        oracle = OracleProposer(0.5, vocab_size=50257, seed=seed)
-        oracle.add(request_id, REFERENCE)
-        return oracle.propose(context([1], max_drafts=20, request_id=request_id))
-
-    assert drafts(1, "a") == drafts(1, "a")
-    assert drafts(1, "a") != drafts(2, "a") and drafts(1, "a") != drafts(1, "b")
-
-
-def test_oracle_forgets_released_requests():
-    oracle = OracleProposer(1.0, vocab_size=10)
-    oracle.add("r", [1, 2, 3])
-    oracle.release("r")
-    assert oracle.propose(context([1])) == []
 
 
 @pytest.mark.parametrize("prompt_len, outputs, max_tokens, max_model_len, expected", [
