@@ -1,7 +1,12 @@
 """Start `python -m server` for a benchmark or a soak, and stop it: shared by bench_serve.py
-and soak.py (tests start theirs with tests/server_harness.py)."""
+and soak.py (tests start theirs with tests/server_harness.py). From the command line, runs a
+command pinned to CPUs as bench_serve.py pins the server and its load generator:
+
+    python scripts/launch.py --cpus 6-15 -- gpt2-bench --base-url http://127.0.0.1:8000
+"""
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
@@ -87,3 +92,16 @@ def stop_server(proc: subprocess.Popen) -> dict[str, float | int]:
         proc.kill()
         code = proc.wait()
     return {"exit_code": code, "seconds_to_exit": time.monotonic() - start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run a command pinned to CPUs.")
+    parser.add_argument("--cpus", type=parse_cpus,
+                        help='taskset\'s list syntax, e.g. "8-15" or "0,2,4-7" (default: any)')
+    parser.add_argument("command", nargs="+", help="the command, after --")
+    args = parser.parse_args()
+    sys.exit(subprocess.run(args.command, preexec_fn=pin_to(args.cpus)).returncode)
+
+
+if __name__ == "__main__":
+    main()

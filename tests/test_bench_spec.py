@@ -1,12 +1,20 @@
 """scripts/bench_spec.py end to end at toy sizes on CPU: every sweep runs, speculation leaves
 every greedy output unchanged (the runs record where it would not), and lands in spec.json."""
 import json
+import subprocess
+import sys
 
-from bench_spec import main
+from server_harness import ROOT
+
+
+def bench_spec(argv: list[str]) -> None:
+    """`python scripts/bench_spec.py ARGV`, as the GPU node runs it."""
+    subprocess.run([sys.executable, "scripts/bench_spec.py", *argv], cwd=ROOT, check=True,
+                   timeout=600)
 
 
 def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
-    main(["--model", str(tiny_checkpoint), "--device", "cpu", "--out", str(tmp_path),
+    bench_spec(["--model", str(tiny_checkpoint), "--device", "cpu", "--out", str(tmp_path),
           "--rates", "0,1", "--ks", "2", "--batches", "1,2", "--batch-k", "2",
           "--batch-repeats", "2", "--stream-repeats", "2", "--prompt-len", "16",
           "--output-len", "6"])
@@ -35,7 +43,7 @@ def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
 def test_bench_spec_measures_a_draft_model(tiny_checkpoint, tmp_path):
     """The target drafting for itself: every greedy draft is accepted; with the oracle's
     tokens swapped in at a = 0, none is (the swap, not the draft, sets the acceptance)."""
-    main(["--model", str(tiny_checkpoint), "--draft-model", str(tiny_checkpoint),
+    bench_spec(["--model", str(tiny_checkpoint), "--draft-model", str(tiny_checkpoint),
           "--device", "cpu", "--out", str(tmp_path), "--ks", "1,2", "--rates", "0",
           "--batches", "1", "--batch-k", "2", "--prompt-len", "16", "--output-len", "6"])
     result = json.loads((tmp_path / "spec_draft.json").read_text())
