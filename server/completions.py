@@ -4,6 +4,7 @@ A request's prompts become one engine request each (`n` choices fan out inside t
 choice `j` of prompt `i` is reported as index `i * n + j`, as OpenAI does. A disconnect
 watcher reads the ASGI receive channel, so a client that goes away is noticed at once, even
 while its request is still queued and producing nothing, and its engine requests are aborted.
+With max_tokens 0 and echo, the prompts are the answer and the engine never sees them.
 """
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core.batch import TokenLogprobs
 from engine.core.request import SamplingParams
+from engine.core.scheduler import check_fits
 from engine.output.outputs import CompletionOutput, RequestOutput
 from engine.output.tokenizer import Tokenizer
 from server.async_engine import AsyncEngine, ClientDisconnected, Generation, RequestFailed
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, Limits, RequestError, Usage, finite_logprob,
                              max_tokens_of, parse_completion_request, parse_prompt,
-                             to_sampling_params)
+                             prompt_tokens_kept, to_sampling_params, truncate_prompts)
 
 SSE_DONE = b"data: [DONE]\n\n"
 T = TypeVar("T")
@@ -49,13 +51,16 @@ class CompletionService:
         req = parse_completion_request(body, self.limits)
         self.check_model(req.model)
         prompts = await self.encode_prompts(parse_prompt(req.prompt, self.limits))
+        prompts = truncate_prompts(prompts, prompt_tokens_kept(req, self.limits.max_model_len))
         engine_id = f"cmpl-{uuid.uuid4().hex}"  # unique in the engine, whatever clients send
-        params = self.sampling_params(req, prompts)
-        generation, watcher = self.submit(http_request, engine_id, prompts, params,
-                                          req.cache_salt)
         # vLLM's request_id field names the response
         response_id = f"cmpl-{req.request_id}" if req.request_id else engine_id
         reply = _Reply(self, req, response_id, prompts)
+        if max_tokens_of(req) == 0:  # the parser allows it with echo only
+            return reply.prompt_only()
+        params = self.sampling_params(req, prompts)
+        generation, watcher = self.submit(http_request, engine_id, prompts, params,
+                                          req.cache_salt)
         if req.stream:
             return StreamingResponse(reply.stream(generation, watcher),
                                      media_type="text/event-stream")
@@ -200,13 +205,35 @@ class _Reply:
         self.created = int(time.time())
         self.finals: dict[int, RequestOutput] = {}  # latest output per prompt
         self.text_offsets: dict[int, int] = {}  # per choice index, for logprobs
-        self.echoed: set[int] = set()
+        self.completion_tokens: dict[int, int] = {}  # per choice index, sent so far
+        self.started: set[int] = set()  # choices whose first chunk is built
         self.finish_sent: set[int] = set()
 
     async def collect(self, generation: Generation, watcher: asyncio.Task[None]) -> Response:
         finals = await collect_outputs(generation, watcher)
         if isinstance(finals, Response):
             return finals
+        return self._whole_response(finals)
+
+    def prompt_only(self) -> Response:
+        """max_tokens 0 with echo: every choice is its prompt, finished by "length", nothing
+        generated. A prompt longer than the context is still refused, as vLLM does."""
+        max_model_len = self.service.limits.max_model_len
+        for prompt in self.prompts:
+            try:
+                check_fits(len(prompt), 0, max_model_len, pool_tokens=max_model_len)
+            except ValueError as exc:  # no KV is needed: only the context length applies
+                raise RequestError(str(exc), param="prompt",
+                                   code="context_length_exceeded") from None
+        ready = [(i, RequestOutput(self.request_id, None, prompt, [
+            CompletionOutput(j, finish_reason="length") for j in range(self.n)], []))
+            for i, prompt in enumerate(self.prompts)]
+        if not self.req.stream:
+            return self._whole_response(dict(ready))
+        events = [*self._events(ready), *self._closing(), SSE_DONE]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+
+    def _whole_response(self, finals: dict[int, RequestOutput]) -> Response:
         self.finals = finals
         choices = [self._whole_choice(i, choice) for i in sorted(self.finals)
                    for choice in self.finals[i].outputs]
@@ -223,7 +250,8 @@ class _Reply:
         for prompt_index, choice in merge_deltas(ready):
             chunk = self._delta_choice(prompt_index, choice)
             if chunk is not None:
-                yield sse_event(self._response([chunk], None))
+                yield sse_event(self._response([chunk], self._usage_so_far(prompt_index,
+                                                                           chunk.index)))
 
     def _closing(self) -> Iterator[bytes]:
         if self.req.include_usage:
@@ -240,14 +268,25 @@ class _Reply:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
                      total_tokens=prompt_tokens + completion)
 
+    def _usage_so_far(self, prompt_index: int, index: int) -> Usage | None:
+        """stream_options.continuous_usage_stats: one choice's usage up to this chunk (its
+        prompt, its tokens so far), as vLLM counts it."""
+        if not self.req.continuous_usage:
+            return None
+        prompt_tokens, completion = len(self.prompts[prompt_index]), self.completion_tokens[index]
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                     total_tokens=prompt_tokens + completion)
+
     def _whole_choice(self, prompt_index: int, choice: CompletionOutput) -> CompletionChoice:
         index = prompt_index * self.n + choice.index
-        prefix = self._echo_prefix(prompt_index, index)
+        first = self._starts(index)
+        prefix = self._echo_prefix(prompt_index, first)
         return CompletionChoice(index=index, text=prefix + choice.text,
                                 logprobs=self._logprobs(index, choice.token_ids,
                                                         choice.logprobs, len(prefix)),
                                 finish_reason=choice.finish_reason,
-                                stop_reason=choice.stop_reason)
+                                stop_reason=choice.stop_reason,
+                                **self._token_ids(prompt_index, first, choice.token_ids))
 
     def _delta_choice(self, prompt_index: int,
                       choice: CompletionOutput) -> CompletionChoice | None:
@@ -258,19 +297,36 @@ class _Reply:
             return None
         if finishing:
             self.finish_sent.add(index)
-        prefix = self._echo_prefix(prompt_index, index)
+        self.completion_tokens[index] = (self.completion_tokens.get(index, 0)
+                                         + len(choice.delta_token_ids))
+        first = self._starts(index)
+        prefix = self._echo_prefix(prompt_index, first)
         return CompletionChoice(
             index=index, text=prefix + choice.delta_text,
             logprobs=self._logprobs(index, choice.delta_token_ids, choice.delta_logprobs,
                                     len(prefix)),
             finish_reason=choice.finish_reason if finishing else None,
-            stop_reason=choice.stop_reason if finishing else None)
+            stop_reason=choice.stop_reason if finishing else None,
+            **self._token_ids(prompt_index, first, choice.delta_token_ids))
 
-    def _echo_prefix(self, prompt_index: int, index: int) -> str:
-        if not self.req.echo or index in self.echoed:
+    def _starts(self, index: int) -> bool:
+        """Whether this is the choice's first chunk (or its whole): the prompt goes there."""
+        first = index not in self.started
+        self.started.add(index)
+        return first
+
+    def _echo_prefix(self, prompt_index: int, first: bool) -> str:
+        if not (self.req.echo and first):
             return ""
-        self.echoed.add(index)
         return self.service.tokenizer.decode(self.prompts[prompt_index])
+
+    def _token_ids(self, prompt_index: int, first: bool,
+                   token_ids: list[int]) -> dict[str, list[int]]:
+        """return_token_ids: the prompt's ids (in the first chunk) and these tokens' ids."""
+        if not self.req.return_token_ids:
+            return {}
+        ids = {"token_ids": list(token_ids)}
+        return {"prompt_token_ids": self.prompts[prompt_index], **ids} if first else ids
 
     def _logprobs(self, index: int, token_ids: list[int],
                   logprobs: list[TokenLogprobs | None] | None,
@@ -280,18 +336,25 @@ class _Reply:
         offset = self.text_offsets.get(index, 0) + skip
         result = CompletionLogprobs()
         for token_id, entry in zip(token_ids, logprobs or []):
-            text = self.service.token_text(token_id)
-            result.tokens.append(text)
-            result.text_offset.append(offset)
-            offset += len(text)
+            name = self._token_name(token_id)
+            result.tokens.append(name)
+            result.text_offset.append(offset)  # into the text, whatever the tokens' names
+            offset += len(self.service.token_text(token_id))
             result.token_logprobs.append(
                 None if entry is None else finite_logprob(entry.token_logprob))
-            result.top_logprobs.append(None if entry is None else self._top(entry, text))
+            result.top_logprobs.append(None if entry is None else self._top(entry, name))
         self.text_offsets[index] = offset
         return result
 
-    def _top(self, entry: TokenLogprobs, sampled_text: str) -> dict[str, float]:
-        top = {self.service.token_text(t): finite_logprob(lp)
+    def _token_name(self, token_id: int) -> str:
+        """A logprob token's text, or with return_tokens_as_token_ids "token_id:<id>" (two
+        tokens of one text, or a part of a character, stay told apart)."""
+        if self.req.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return self.service.token_text(token_id)
+
+    def _top(self, entry: TokenLogprobs, sampled_name: str) -> dict[str, float]:
+        top = {self._token_name(t): finite_logprob(lp)
                for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
-        top.setdefault(sampled_text, finite_logprob(entry.token_logprob))
+        top.setdefault(sampled_name, finite_logprob(entry.token_logprob))
         return top

@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from engine.core.request import MAX_LOGPROBS, SamplingParams
 from engine.output.tokenizer import check_token_ids, is_token_list
 
-MAX_STOP_STRINGS = 4
 LOGIT_BIAS_LIMIT = 100.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 logger = logging.getLogger("gpt2serve")
@@ -61,14 +60,14 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = False
-    continuous_usage_stats: StrictBool | None = False  # refused when true (UNSUPPORTED)
+    continuous_usage_stats: StrictBool | None = False  # usage in every chunk too
 
 
 class CompletionRequest(_Strict):
     """POST /v1/completions. `None` means "use the default", as OpenAI clients send nulls."""
     model: str | None = None
     prompt: Any = None
-    max_tokens: Annotated[StrictInt, Field(ge=1, le=INT64_MAX)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] | None = None  # 0: echo only
     temperature: Annotated[StrictFloat, Field(ge=0.0)] | None = None
     top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -95,10 +94,20 @@ class CompletionRequest(_Strict):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # per-tenant prefix cache
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     add_special_tokens: StrictBool | None = True  # GPT-2 adds none: both values are the same
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
+    return_token_ids: StrictBool | None = None  # choices carry prompt_token_ids, token_ids
+    return_tokens_as_token_ids: StrictBool | None = None  # logprob tokens as "token_id:<id>"
 
     @property
     def include_usage(self) -> bool:
+        """A last chunk, before [DONE], holds the whole request's usage."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk holds its choice's usage so far (vLLM asks for include_usage too; here
+        either works alone, so neither is ignored)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class TokenizeRequest(_Strict):
@@ -159,9 +168,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((), "prompt logprobs are not implemented"),
     "allowed_token_ids": (([],), "allowed_token_ids is not implemented"),
     "bad_words": (([],), "bad_words is not implemented"),
-    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not implemented"),
-    "return_token_ids": ((False,), "return_token_ids is not implemented"),
-    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not implemented"),
     "priority": ((0,), "priority scheduling is not implemented (the policy is FCFS)"),
     "logits_processors": (([],), "custom logits processors are not supported"),
     # GPT-2's one special token, <|endoftext|>, is left out of the text (vLLM's default,
@@ -203,10 +209,6 @@ def check_field_support(body: dict[str, Any], model_cls: type[BaseModel]) -> Non
                                    param=name, code="unsupported_field")
         elif name not in model_cls.model_fields:
             _log_unknown_once(name)
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("continuous_usage_stats"):
-        raise RequestError("stream_options.continuous_usage_stats is not supported by this "
-                           "server", param="stream_options", code="unsupported_field")
 
 
 def parse_model(model_cls: type[BaseModel], body: Any) -> Any:
@@ -243,12 +245,44 @@ def _check_cross_fields(req: CompletionRequest, limits: Limits) -> None:
         raise RequestError("stream_options is only allowed when stream is true",
                            param="stream_options")
     if req.echo and req.logprobs is not None:
-        raise RequestError("echo with logprobs is not supported: the engine does not "
-                           "compute prompt logprobs", param="echo")
+        raise RequestError("echo with logprobs is not supported: the echoed prompt would need "
+                           "prompt logprobs, which this server does not compute; send echo "
+                           "or logprobs, not both", param="echo")
     limit = max_tokens_of(req)
+    if limit == 0 and not req.echo:
+        raise RequestError("max_tokens must be at least 1, got 0 (0 is allowed with echo=true "
+                           "only, which returns the prompt alone)", param="max_tokens")
+    _check_truncation(req.truncate_prompt_tokens, limits.max_model_len)
     if limit is not None and (req.min_tokens or 0) > limit:
         raise RequestError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
                            f"({limit})", param="min_tokens")
+
+
+def _check_truncation(keep: int | None, max_model_len: int) -> None:
+    if keep == 0:
+        raise RequestError("truncate_prompt_tokens must be -1 (all that fit beside max_tokens) "
+                           "or at least 1, got 0", param="truncate_prompt_tokens")
+    if keep is not None and keep > max_model_len:
+        raise RequestError(f"truncate_prompt_tokens ({keep}) must not exceed the model's "
+                           f"context length, max_model_len ({max_model_len})",
+                           param="truncate_prompt_tokens")
+
+
+def prompt_tokens_kept(req: CompletionRequest, max_model_len: int) -> int | None:
+    """How many of each prompt's last tokens truncate_prompt_tokens keeps; None: all. -1 is
+    as many as leave room for max_tokens, as in vLLM (max_tokens null: room for one)."""
+    keep = req.truncate_prompt_tokens
+    if keep != -1:
+        return keep
+    limit = max_tokens_of(req)
+    return max(1, max_model_len - (1 if limit is None else limit))
+
+
+def truncate_prompts(prompts: list[list[int]], keep: int | None) -> list[list[int]]:
+    """Each prompt's last `keep` tokens (all of them when `keep` is None)."""
+    if keep is None:
+        return prompts
+    return [prompt[-keep:] if len(prompt) > keep else prompt for prompt in prompts]
 
 
 PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -291,9 +325,6 @@ def _check_one_prompt(prompt: Any, index: int) -> None:
 
 def _check_stop(req: CompletionRequest, vocab_size: int) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
-                           param="stop")
     if any(not s for s in stops):
         raise RequestError("stop strings must not be empty", param="stop")
     check_tokens_in_vocab(req.stop_token_ids or [], vocab_size, param="stop_token_ids")
@@ -368,11 +399,16 @@ class CompletionLogprobs(msgspec.Struct):
 
 
 class CompletionChoice(msgspec.Struct):
+    """`prompt_token_ids` and `token_ids` (vLLM's return_token_ids) are left out of the JSON
+    unless asked for; streamed, the prompt's come in a choice's first chunk, and `token_ids`
+    are each chunk's own."""
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Usage(msgspec.Struct):

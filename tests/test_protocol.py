@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 
+import msgspec
 import pytest
 
 from engine.core.request import SamplingParams
@@ -12,7 +13,7 @@ from server.metrics import ServerMetrics, one_two_five_buckets
 from server.protocol import (MAX_LOGGED_UNKNOWN, CompletionChoice, CompletionLogprobs,
                              CompletionResponse, Limits, RequestError, finite_logprob,
                              max_tokens_of, parse_completion_request, parse_prompt,
-                             to_sampling_params)
+                             prompt_tokens_kept, to_sampling_params, truncate_prompts)
 from server.completions import merge_deltas, sse_event
 
 LIMITS = Limits(vocab_size=50257, max_model_len=1024, max_n=16)
@@ -59,7 +60,6 @@ BAD_BODIES = [
     ({"prompt": "x", "n": 2, "temperature": 0}, "n"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": -1}, "logprobs"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "x", "stop": ""}, "stop"),
     ({"prompt": "x", "stop": ["a", ""]}, "stop"),
     ({"prompt": "x", "stop": 3}, "stop"),
@@ -75,6 +75,16 @@ BAD_BODIES = [
     ({"prompt": "x", "seed": 2**64}, "seed"),
     ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
+    ({"prompt": "x", "truncate_prompt_tokens": 1025}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "truncate_prompt_tokens": 5.0}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "return_token_ids": "yes"}, "return_token_ids"),
+    ({"prompt": "x", "return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 1}},
+     "stream_options"),
 ]
 
 
@@ -217,8 +227,7 @@ def test_outputs_of_several_steps_merge_into_one_delta_per_choice():
 @pytest.mark.parametrize("field,value", [
     ("use_beam_search", True), ("length_penalty", 0.5), ("prompt_logprobs", 1),
     ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
-    ("truncate_prompt_tokens", 8), ("return_token_ids", True),
-    ("return_tokens_as_token_ids", True), ("priority", 5), ("logits_processors", ["a.b"]),
+    ("priority", 5), ("logits_processors", ["a.b"]),
     ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
     ("guided_regex", "[a-z]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "x"),
     ("structured_outputs", {"regex": "a"}), ("skip_special_tokens", False)])
@@ -236,9 +245,54 @@ def test_the_values_that_ask_for_nothing_pass(field, value):
     assert parse_completion_request({"prompt": "x", field: value}, LIMITS)
 
 
-def test_continuous_usage_stats_is_refused_not_ignored():
-    rejects({"prompt": "x", "stream": True,
-             "stream_options": {"continuous_usage_stats": True}}, "stream_options")
+def test_the_vllm_extras_this_server_implements_parse():
+    req = parse_completion_request({
+        "prompt": "x", "stream": True, "truncate_prompt_tokens": 1024, "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "stream_options": {"continuous_usage_stats": True}}, LIMITS)
+    assert req.continuous_usage and not req.include_usage
+    assert req.return_token_ids and req.return_tokens_as_token_ids
+    assert req.truncate_prompt_tokens == 1024
+
+
+def test_max_tokens_zero_is_the_prompt_alone_with_echo_only():
+    assert max_tokens_of(parse_completion_request(
+        {"prompt": "x", "max_tokens": 0, "echo": True}, LIMITS)) == 0
+    err = rejects({"prompt": "x", "max_tokens": 0}, "max_tokens")
+    assert "echo" in err.message
+
+
+def test_echo_with_logprobs_says_why_and_what_to_send():
+    err = rejects({"prompt": "x", "echo": True, "logprobs": 2}, "echo")
+    assert "prompt logprobs" in err.message and "not both" in err.message
+
+
+def test_any_number_of_stop_strings_reach_the_engine():
+    stops = [f"<{i}>" for i in range(1000)]
+    req = parse_completion_request({"prompt": "x", "stop": stops}, LIMITS)
+    assert to_sampling_params(req, LIMITS.vocab_size).stop == tuple(stops)
+
+
+@pytest.mark.parametrize("body,kept", [
+    ({}, None), ({"truncate_prompt_tokens": 7}, 7), ({"truncate_prompt_tokens": 1024}, 1024),
+    ({"truncate_prompt_tokens": -1}, 1024 - 16),  # room for the default max_tokens
+    ({"truncate_prompt_tokens": -1, "max_tokens": 100}, 1024 - 100),
+    ({"truncate_prompt_tokens": -1, "max_tokens": None}, 1023),  # null: room for one token
+    ({"truncate_prompt_tokens": -1, "max_tokens": 0, "echo": True}, 1024)])
+def test_truncate_prompt_tokens_keeps_the_last_k_tokens(body, kept):
+    req = parse_completion_request({"prompt": "x", **body}, LIMITS)
+    assert prompt_tokens_kept(req, LIMITS.max_model_len) == kept
+    prompts = [list(range(2000)), [1, 2, 3]]
+    assert truncate_prompts(prompts, kept) == (prompts if kept is None else
+                                               [list(range(2000 - kept, 2000)), [1, 2, 3]])
+
+
+def test_token_id_fields_are_written_only_when_set():
+    plain = json.loads(msgspec.json.encode(CompletionChoice(index=0, text="a")))
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    both = json.loads(msgspec.json.encode(CompletionChoice(index=0, text="a", token_ids=[5],
+                                                           prompt_token_ids=[1, 2])))
+    assert both["token_ids"] == [5] and both["prompt_token_ids"] == [1, 2]
 
 
 def test_a_field_no_api_defines_is_logged_once_and_inventions_cannot_flood_the_log(caplog):

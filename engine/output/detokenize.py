@@ -5,6 +5,9 @@ so a stream never emits text it would have to take back:
 
     stop = ["###"]      tokens "ab", "c#", "#", "#x"
     emitted             "ab", "c",  "",  (stop found: "###" dropped, finished)
+
+Each token's text is searched only for stop strings ending inside it (what came before was
+searched when it arrived), through `StopStrings`, so a request may carry any number of them.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ class TextStream:
         self._tokenizer = tokenizer
         self._bulk: list[int] | None = [] if final_only and not stop else None
         self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stop = stop
+        self._stop = StopStrings(stop) if stop else None
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._min_tokens, self._include_stop = min_tokens, include_stop
         self._num_tokens = 0
@@ -58,9 +61,9 @@ class TextStream:
         return self._emit(self._pending + piece, final)
 
     def _emit(self, buffer: str, final: bool) -> str:
-        matching = self._stop and self._num_tokens > self._min_tokens
-        hit = min(((buffer.find(s), s) for s in self._stop if s in buffer),
-                  default=None) if matching else None
+        """`buffer`: the held-back text, then this token's."""
+        matching = self._num_tokens > self._min_tokens
+        hit = self._stop.find(buffer, len(self._pending)) if matching else None
         if hit:
             index, self.stopped_by = hit
             end = index + len(self.stopped_by) if self._include_stop else index
@@ -72,3 +75,33 @@ class TextStream:
             out, self._pending = buffer[:cut], buffer[cut:]
         self.text += out
         return out
+
+
+class StopStrings:
+    """A request's stop strings, indexed by last character, then by length (longest first).
+    A stop string found in a token's text must end in it, so each new character costs one
+    set lookup per distinct length of the stop strings ending with that character, however
+    many stop strings there are; the index holds the strings themselves, nothing more."""
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        by_last: dict[str, dict[int, set[str]]] = {}
+        for s in stop:
+            by_last.setdefault(s[-1], {}).setdefault(len(s), set()).add(s)
+        self._by_last = {last: sorted(lengths.items(), reverse=True)
+                         for last, lengths in by_last.items()}
+
+    def find(self, text: str, new_from: int) -> tuple[int, str] | None:
+        """The stop string in `text` that ends at or after `new_from` and starts first (of
+        two starting together, the shorter), as (its index, it); None if there is none."""
+        best: tuple[int, str] | None = None
+        for end in range(new_from, len(text)):
+            for length, strings in self._by_last.get(text[end], ()):
+                start = end + 1 - length
+                if start < 0:
+                    continue
+                if best is not None and start >= best[0]:
+                    break  # shorter ones start later still
+                if text[start:end + 1] in strings:
+                    best = (start, text[start:end + 1])
+                    break
+        return best
