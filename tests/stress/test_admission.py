@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
 
 import httpx
 import pytest
 
 from server_harness import metric, wait_for
-from soak import process_tree, rss_mib
 from sse_client import client
 
 QUEUE_CAP = 4
@@ -52,8 +52,15 @@ def test_overload_gets_503s_then_recovers_with_flat_memory(server):
         recovered = httpx.post(server.url + "/v1/completions",
                                json={"prompt": "after the burst", "max_tokens": 2})
         assert recovered.status_code == 200
-        rss.append(rss_mib(process_tree(server.proc.pid)))  # API + engine core
+        rss.append(server_rss_mib(server.proc.pid))
     assert max(rss[3:]) - rss[2] < 16, rss  # MiB; warmed up by round 3, flat after that
+
+
+def server_rss_mib(pid: int) -> float:
+    """The resident memory of the server and its children (the engine core), from ps."""
+    listed = subprocess.run(["ps", "-o", "rss=", "-p", str(pid), "--ppid", str(pid)],
+                            capture_output=True, text=True, check=True).stdout
+    return sum(int(kib) for kib in listed.split()) / 1024
 
 
 def completion(url: str, prompts: list, n: int = 1) -> httpx.Response:
