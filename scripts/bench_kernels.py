@@ -20,7 +20,6 @@ import argparse
 import functools
 import json
 import re
-import sys
 from pathlib import Path
 
 import torch
@@ -28,20 +27,19 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_utils import copy_bandwidth, matmul_rate  # noqa: E402
-from engine.worker.attention import (AttentionMetadata, paged_attention_reference,  # noqa: E402
+from bench_utils import copy_bandwidth, matmul_rate
+from engine.worker.attention import (AttentionMetadata, paged_attention_reference,
                               store_kv_reference)
-from engine.worker.layers import TORCH_OPS  # noqa: E402
-from engine.worker.layers import bias_gelu as bias_gelu_reference  # noqa: E402
-from engine.worker.layers import sample as sample_reference  # noqa: E402
-from kernels.backend import triton_ops  # noqa: E402
-from kernels import paged_attention as pa  # noqa: E402
-from kernels.gelu import bias_gelu  # noqa: E402
-from kernels.sampling import row_sample  # noqa: E402
-from kernels.skinny_gemm import (AddNorm, skinny_add_norm_linear,  # noqa: E402
+from engine.worker.layers import TORCH_OPS
+from engine.worker.layers import bias_gelu as bias_gelu_reference
+from engine.worker.layers import sample as sample_reference
+from kernels.backend import triton_ops
+from kernels import paged_attention as pa
+from kernels.gelu import bias_gelu
+from kernels.sampling import row_sample
+from kernels.skinny_gemm import (AddNorm, skinny_add_norm_linear,
                                  skinny_add_norm_linear_reference, skinny_linear)
-from kernels.store_kv import store_kv  # noqa: E402
+from kernels.store_kv import store_kv
 
 DTYPE = torch.float16
 HEAD_DIM = 64
