@@ -23,6 +23,7 @@ from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig
                                 load_config)
 from server.app import ServerSettings, create_app, version
 from server.api_servers import ApiServerOptions, listening_socket, run_api_servers
+from server.chat_template import resolve_chat_template
 from server.core_client import CoreClient
 from server.engine_process import LOG_FORMAT, EngineProcess
 from server.http_server import HttpLimits, add_http_flags, serve_app
@@ -120,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not serve /openapi.json and /docs")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route "
                         "but /health, /ping, /version and /metrics")
+    parser.add_argument("--chat-template", help="the Jinja chat template of "
+                        "/v1/chat/completions: a file, or the template itself (default: the "
+                        "local checkpoint's, from chat_template.jinja or "
+                        "tokenizer_config.json; GPT-2 has none, and chat requests get 400)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render the `chat_template` a chat request sends (it runs in "
+                        "Jinja's sandbox, but on the server's CPU)")
     parser.add_argument("--api-server-count", type=int, default=1,
                         help="API server processes in front of the one engine core; more "
                         "than one when a single process cannot stream as fast as the engine "
@@ -225,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         config = engine_config_from_args(args)
+        chat_template = resolve_chat_template(args.chat_template, config.model.model)
         # bound before the model loads (as vLLM does): a busy port fails in a second
         sock = listening_socket(args.host, args.port)
         core = EngineProcess(config, num_clients=args.api_server_count)
@@ -232,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         exit_on_startup_error(exc, args.log_level)
     model_name = args.served_model_name or served_name_of(config.model.model)
     _log_startup(core, config, args, model_name, started)
+    logger.info("chat template: %s", "none (chat requests get 400; --chat-template sets one)"
+                if chat_template is None else f"{len(chat_template)} characters")
     settings = ServerSettings(
         model_name=model_name, max_queued_requests=args.max_queued_requests, max_n=args.max_n,
         max_prompts_per_request=args.max_prompts_per_request, api_key=args.api_key,
@@ -239,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         watchdog_timeout=args.watchdog_timeout,
         watchdog_exit_timeout=args.watchdog_exit_timeout,
         shutdown_timeout=args.shutdown_timeout, enable_docs=not args.disable_fastapi_docs,
+        chat_template=chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
     if args.api_server_count > 1:

@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import RootModel
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -32,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.output.tokenizer import Tokenizer
 from server.async_engine import (AsyncEngine, CoreConnection, RequestFailed, server_error,
                                  shutting_down)
+from server.chat import ChatCompletionRequest, ChatService, TokenizeChatRequest
 from server.completions import CompletionService, off_loop_if_long
 from server.metrics import ServerMetrics, ThroughputLog
 from server.protocol import (CompletionRequest, DetokenizeRequest, Limits, RequestError,
@@ -55,6 +57,8 @@ class ServerSettings:
     watchdog_exit_timeout: float | None = None  # silent this long: exit (None: 2x the above)
     shutdown_timeout: float = 30.0  # after SIGTERM, open streams end with an error after this
     enable_docs: bool = True  # /openapi.json and /docs
+    chat_template: str | None = None  # its text (--chat-template, or the checkpoint's)
+    trust_request_chat_template: bool = False  # a request's own chat_template is rendered
     # CORS, with vLLM's defaults (--allowed-origins, ...)
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
@@ -142,18 +146,24 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
                 settings: ServerSettings) -> None:
     tokenizer, limits = service.tokenizer, service.limits
     async_engine = service.engine
+    chat = ChatService(service, settings.chat_template, settings.trust_request_chat_template)
 
     @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await service.create(request, await read_json_body(request, settings))
 
-    @app.post("/invocations", openapi_extra=request_body_schema(CompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=request_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        return await chat.create(request, await read_json_body(request, settings))
+
+    @app.post("/invocations", openapi_extra=request_body_schema(
+        RootModel[CompletionRequest | ChatCompletionRequest]))
     async def invocations(request: Request) -> Response:
-        """SageMaker's one route: a completions body (chat is not served here yet)."""
+        """SageMaker's one route: a body with `messages` is a chat request, else a
+        completions one."""
         body = await read_json_body(request, settings)
         if isinstance(body, dict) and "messages" in body:
-            raise RequestError("/invocations takes a completions body (with `prompt`); "
-                               "chat messages are not supported", param="messages")
+            return await chat.create(request, body)
         return await service.create(request, body)
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
@@ -179,11 +189,17 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
     async def get_version() -> dict[str, str]:
         return {"version": version()}
 
-    @app.post("/tokenize", openapi_extra=request_body_schema(TokenizeRequest))
+    @app.post("/tokenize", openapi_extra=request_body_schema(
+        RootModel[TokenizeRequest | TokenizeChatRequest]))
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = parse_model(TokenizeRequest, await read_json_body(request, settings))
-        service.check_model(req.model)
-        tokens = (await service.encode_prompts([req.prompt]))[0]
+        """A `prompt`'s tokens, or with `messages` instead the chat prompt's, as vLLM's."""
+        body = await read_json_body(request, settings)
+        if isinstance(body, dict) and "messages" in body:
+            tokens = await chat.tokenize(body)
+        else:
+            req = parse_model(TokenizeRequest, body)
+            service.check_model(req.model)
+            tokens = (await service.encode_prompts([req.prompt]))[0]
         return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize", openapi_extra=request_body_schema(DetokenizeRequest))

@@ -309,7 +309,8 @@ def test_head_where_get_works_and_invocations(http):
     answer = http.post("/invocations", json={"prompt": "hi", "max_tokens": 2})
     assert answer.status_code == 200 and answer.json()["object"] == "text_completion"
     chat = http.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}]})
-    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+    assert chat.status_code == 400  # a chat request, and this server has no chat template
+    assert "--chat-template" in chat.json()["error"]["message"]
 
 
 def test_min_tokens_holds_back_stop_strings_and_the_stop_string_can_be_kept(http):
