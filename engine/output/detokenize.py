@@ -11,6 +11,8 @@ searched when it arrived), through `StopStrings`, so a request may carry any num
 """
 from __future__ import annotations
 
+import functools
+
 from engine.core.request import EOS_TOKEN_ID
 from engine.output.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -18,8 +20,9 @@ from engine.output.tokenizer import IncrementalDetokenizer, Tokenizer
 class TextStream:
     """`final_only`: nobody reads text before the end and no stop string needs matching, so
     tokens are decoded once, in bulk, when the sequence ends (far cheaper per token).
-    As in vLLM, stop strings are matched only once more than `min_tokens` tokens are out, and
-    `include_stop` keeps the stop string that ended the text in it."""
+    As in vLLM, stop strings are matched only once more than `min_tokens` tokens are out (one
+    that ended before does not count), and `include_stop` keeps the stop string that ended
+    the text in it."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...],
                  final_only: bool = False, min_tokens: int = 0,
@@ -27,8 +30,8 @@ class TextStream:
         self._tokenizer = tokenizer
         self._bulk: list[int] | None = [] if final_only and not stop else None
         self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stop = StopStrings(stop) if stop else None
-        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._stop = stop_strings(stop) if stop else None
+        self._holdback = self._stop.longest - 1 if self._stop else 0
         self._min_tokens, self._include_stop = min_tokens, include_stop
         self._num_tokens = 0
         self._pending = ""
@@ -77,31 +80,39 @@ class TextStream:
         return out
 
 
+@functools.lru_cache(maxsize=1)
+def stop_strings(stop: tuple[str, ...]) -> StopStrings:
+    """The index of `stop`, built once for a request's n choices (they share its stop tuple):
+    a list of half a million stop strings takes a few tenths of a second to index."""
+    return StopStrings(stop)
+
+
 class StopStrings:
-    """A request's stop strings, indexed by last character, then by length (longest first).
-    A stop string found in a token's text must end in it, so each new character costs one
-    set lookup per distinct length of the stop strings ending with that character, however
-    many stop strings there are; the index holds the strings themselves, nothing more."""
+    """A request's stop strings, with the lengths of those ending in each character (longest
+    first). A stop string found in a token's text must end in it, so each new character costs
+    one set lookup per distinct length of the stop strings ending with that character, however
+    many stop strings there are."""
 
     def __init__(self, stop: tuple[str, ...]) -> None:
-        by_last: dict[str, dict[int, set[str]]] = {}
-        for s in stop:
-            by_last.setdefault(s[-1], {}).setdefault(len(s), set()).add(s)
-        self._by_last = {last: sorted(lengths.items(), reverse=True)
-                         for last, lengths in by_last.items()}
+        self._strings = frozenset(stop)
+        lengths: dict[str, list[int]] = {}
+        for last, length in sorted({(s[-1], len(s)) for s in self._strings}, reverse=True):
+            lengths.setdefault(last, []).append(length)
+        self._lengths = lengths
+        self.longest = max(longest_first[0] for longest_first in lengths.values())
 
     def find(self, text: str, new_from: int) -> tuple[int, str] | None:
         """The stop string in `text` that ends at or after `new_from` and starts first (of
         two starting together, the shorter), as (its index, it); None if there is none."""
         best: tuple[int, str] | None = None
         for end in range(new_from, len(text)):
-            for length, strings in self._by_last.get(text[end], ()):
+            for length in self._lengths.get(text[end], ()):
                 start = end + 1 - length
                 if start < 0:
                     continue
                 if best is not None and start >= best[0]:
                     break  # shorter ones start later still
-                if text[start:end + 1] in strings:
+                if text[start:end + 1] in self._strings:
                     best = (start, text[start:end + 1])
                     break
         return best
