@@ -216,6 +216,16 @@ def test_stop_matching_agrees_with_a_plain_search(tok, seed):
     assert (emitted, stream.stopped_by) == reference_stop(stops, pieces)
 
 
+def test_a_stop_string_that_ended_within_min_tokens_never_counts(tok):
+    """As in vLLM: a stop string is looked for where a token's text ends it, and only once
+    more than min_tokens tokens are out; "##" ends with token k, inside the first k."""
+    ids = tok.encode("a## b c d e f")
+    k = next(i for i in range(1, len(ids) + 1) if "##" in tok.decode(ids[:i]))
+    stream = TextStream(tok, ("##", "a much longer one"), min_tokens=k)
+    emitted = "".join(stream.add(t, final=i == len(ids) - 1) for i, t in enumerate(ids))
+    assert stream.stopped_by is None and emitted == "a## b c d e f"
+
+
 def seconds_per_token(tok: Tokenizer, stops: tuple[str, ...], ids: list[int]) -> float:
     best = float("inf")
     for _ in range(5):
