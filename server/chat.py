@@ -174,7 +174,7 @@ def _content_text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def check_prompt_flags(req: ChatPromptFields) -> None:
+def _check_prompt_flags(req: ChatPromptFields) -> None:
     if req.add_generation_prompt and req.continue_final_message:
         raise RequestError("continue_final_message continues the final message, and "
                            "add_generation_prompt starts a new one: set "
@@ -253,7 +253,7 @@ class ChatService:
     async def prompt_ids(self, req: ChatPromptFields,
                          messages: list[dict[str, Any]]) -> list[int]:
         """The rendered prompt's token ids; long conversations render off the event loop."""
-        check_prompt_flags(req)
+        _check_prompt_flags(req)
         render = functools.partial(
             render_chat, self._template(req.chat_template), messages,
             add_generation_prompt=bool(req.add_generation_prompt),
