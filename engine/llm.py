@@ -14,7 +14,7 @@ from typing import Sequence
 
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig, load_config
-from engine.core.engine_core import EngineCore
+from engine.build import build_engine_core
 from engine.core.messages import ENGINE_COUNTERS, EngineStats
 from engine.core.request import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -22,6 +22,7 @@ from engine.output.outputs import RequestOutput
 from engine.output.processor import OutputProcessor
 from engine.output.tokenizer import Tokenizer
 from engine.speculative.stats import Counter, Vector
+from engine.speculative.switch import StepTimes
 
 Prompt = str | list[int]
 
@@ -31,10 +32,12 @@ class LLMEngine:
     caller (the offline `LLM`, tests). The server runs the same two halves in two processes
     (server/engine_process.py)."""
 
-    def __init__(self, config: EngineConfig, runner=None) -> None:
+    def __init__(self, config: EngineConfig, runner=None,
+                 step_times: StepTimes | None = None) -> None:
+        """`runner` and `step_times`: see engine.build.build_engine_core."""
         self.config = config
         self.tokenizer = Tokenizer()
-        self.core = EngineCore(config, runner)
+        self.core = build_engine_core(config, runner, step_times)
         self.processor = OutputProcessor(self.tokenizer)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,

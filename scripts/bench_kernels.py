@@ -33,7 +33,7 @@ from engine.worker.attention import (AttentionMetadata, paged_attention_referenc
 from engine.worker.layers import TORCH_OPS
 from engine.worker.layers import bias_gelu as bias_gelu_reference
 from engine.worker.layers import sample as sample_reference
-from kernels.backend import triton_ops
+from engine.worker.triton_ops import triton_ops
 from kernels import paged_attention as pa
 from kernels.gelu import bias_gelu
 from kernels.sampling import row_sample

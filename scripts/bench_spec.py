@@ -43,7 +43,7 @@ from spec_bench_engine import (Bench, acceptance, decode_seconds_per_token,
 
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.switch import expected_tokens
-from engine.worker.spec_timing import proposer_seconds
+from engine.speculative.timing import proposer_seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -83,7 +83,7 @@ def annotate_waits(runner, label: str) -> None:
 
 def install_ranges(bench: Bench) -> None:
     core = bench.engine.core
-    drafter = core.runner.drafter
+    drafter = core.runner.speculation.drafter
     annotate(core.scheduler, "schedule", "schedule")
     annotate(core.scheduler, "update", "update")
     annotate(drafter, "fill", "fill")
@@ -97,7 +97,7 @@ def time_host_phases(bench: Bench, run) -> dict:
     (phases nest: fill holds the draft's launches and waits)."""
     core = bench.engine.core
     targets = [(core.scheduler, "schedule"), (core.scheduler, "update"), (core, "step"),
-               (core.runner.drafter, "fill"), (core.runner, "launch")]
+               (core.runner.speculation.drafter, "fill"), (core.runner, "launch")]
     times: dict[str, list[float]] = defaultdict(list)
     originals = [getattr(obj, name) for obj, name in targets]
     for (obj, name), fn in zip(targets, originals):
@@ -148,7 +148,7 @@ def device_gaps(bench: Bench, run) -> dict:
     right behind the verification), and "before_verify", from the draft's last iteration
     to the verification graph (the host late with its launch)."""
     runner = bench.engine.core.runner
-    drafter, mixed = runner.drafter, runner.mixed_graphs
+    drafter, mixed = runner.speculation.drafter, runner.mixed_graphs
     chain, timeline = drafter.chain, []
     saved = {name: dict(getattr(chain, name))
              for name in ("graphs", "catching_up_graphs", "ahead_graphs")}
@@ -245,7 +245,7 @@ def graph_kernels(graph: torch.cuda.CUDAGraph, replays: int = 5) -> dict:
 def profile_graphs(plain: Bench, bench: Bench, k: int) -> dict:
     """Each graph as the last step of its size left its buffers."""
     target = bench.engine.core.runner
-    drafter = bench.engine.core.runner.drafter
+    drafter = bench.engine.core.runner.speculation.drafter
     verify_size = next(s for s in target.mixed_graphs.sizes if s >= k + 1)
     return {"target_decode_1": graph_kernels(plain.engine.core.runner.decode_graphs.graphs[1]),
             f"target_verify_{verify_size}": graph_kernels(target.mixed_graphs.graphs[verify_size]),

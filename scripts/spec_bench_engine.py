@@ -18,7 +18,7 @@ from engine.core.batch import ScheduledSequence
 from oracle_proposer import OracleProposer
 from engine.speculative.switch import SpeculationSwitch
 from engine.worker.inputs import upload
-from engine.worker.spec_verify import NO_TOKEN
+from engine.speculative.verify import NO_TOKEN
 
 VOCAB = 50257
 
@@ -64,7 +64,7 @@ class Bench:
 
         self.speculator.observe = observe_judged
         self.draft_oracle: OracleProposer | None = None  # see run()
-        self.drafter = self.engine.core.runner.drafter
+        self.drafter = getattr(self.engine.core.runner.speculation, "drafter", None)
         if self.drafter is not None:
             fill = self.drafter.fill
             self.drafter.fill = lambda seqs, *rest: self._oracle_drafts(seqs, fill(seqs, *rest))

@@ -144,13 +144,14 @@ def _core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
     die_with_parent()
     logging.basicConfig(level=log_level, format=LOG_FORMAT)  # a spawned process starts bare
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from engine.core.engine_core import EngineCore, run_core_loop
+    from engine.build import build_engine_core
+    from engine.core.engine_core import run_core_loop
     # torch and triton load in the child only, and count in its "process start"
     import engine.worker.model_runner  # noqa: F401
     started = f"process start {time.time() - spawned_at:.1f} s"
 
     try:
-        core = EngineCore(config)
+        core = build_engine_core(config)
     except Exception as exc:
         report.send(("error", str(exc) or type(exc).__name__))
         raise SystemExit(1) from None

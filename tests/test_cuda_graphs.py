@@ -14,7 +14,7 @@ from engine.worker.cuda_graphs import (MIN_MIXED_TOKENS, DecodeGraphs, DecodeSta
                                        MixedGraphs, MixedStager, capture_sizes,
                                        decode_meta_layout, mixed_capture_sizes, mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
-from engine.worker.cuda_graphs.draft_chain import ChainPlan, DraftChainGraphs
+from engine.speculative.draft_model.chain_graphs import ChainPlan, DraftChainGraphs
 from engine.worker.device import graph_row_counts
 from engine.worker.inputs import prepare_host_inputs
 from fakes import ScriptedProposer, drafts_at_rate
@@ -74,14 +74,14 @@ def test_draft_model_chain_graphs_equal_eager(tiny_checkpoint, draft_tokens):
         llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype="float32", max_num_seqs=16,
                   enforce_eager=eager, num_kv_blocks=512, speculative_config=spec)
         if spec:
-            assert (llm.engine.runner.drafter.chain is None) == eager
+            assert (llm.engine.runner.speculation.drafter.chain is None) == eager
             llm.engine.core.speculator.switch = None  # every step drafts, whatever it costs
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if spec:
             stats = llm.engine.core.speculator.stats
             assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
             # the graphs drafted ahead once the batch was all verification
-            assert (llm.engine.runner.drafter.num_taken_ahead > 0) == (not eager)
+            assert (llm.engine.runner.speculation.drafter.num_taken_ahead > 0) == (not eager)
     assert results[0] == results[1] == results[2]
 
 
@@ -330,15 +330,15 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
                   attention_backend="torch", speculative_config=speculative)
         runner = llm.engine.runner
         if speculative:
-            follower = runner.drafter and runner.drafter.follow
+            follower = runner.speculation.follower
             mixed = MixedGraphs(runner.model, runner.kv_caches, 24, 4,
                                 runner.max_blocks_per_seq, 1024, torch.device("cpu"),
                                 runner.max_sample_rows, follower)
             replay_eagerly(mixed)
             runner.mixed_graphs = mixed
         if speculative and method == "draft_model":
-            draft = runner.drafter.runner
-            chain = runner.drafter.chain = DraftChainGraphs(
+            draft = runner.speculation.drafter.runner
+            chain = runner.speculation.drafter.chain = DraftChainGraphs(
                 draft.model, draft.kv_caches, 4, draft.max_blocks_per_seq, draft.block_size,
                 1024, torch.device("cpu"), 3)
             replay_eagerly(chain)

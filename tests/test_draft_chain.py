@@ -8,9 +8,9 @@ import torch
 
 from engine.core.batch import ScheduledSequence
 from engine.core.request import SamplingParams
-from engine.worker.cuda_graphs.draft_chain import DraftChainGraphs, greedy_chain
+from engine.speculative.draft_model.chain_graphs import DraftChainGraphs, greedy_chain
 from engine.worker.inputs import prepare_host_inputs, to_device
-from engine.worker.spec_verify import NO_TOKEN
+from engine.speculative.verify import NO_TOKEN
 from test_cuda_graphs import replay_eagerly
 from test_spec_engine import make_llm
 
@@ -129,7 +129,7 @@ def test_chain_start_feeds_the_token_before_the_next_known_one():
     """A run queued ahead starts each row at the position after its last accepted draft, its
     sampled token there and before it the last accepted draft (the last run's own token if
     none), both writing KV; the plan walks on from there, as many positions as drafts."""
-    from engine.worker.chain_start import chain_start
+    from engine.speculative.draft_model.chain_start import chain_start
 
     inputs, out = chain_start_case()
     chain_start(**inputs, **out)

@@ -90,6 +90,7 @@ def test_float32_logits_match_transformers(tiny_checkpoint, prompts):
     from transformers import GPT2LMHeadModel
 
     from engine.core.batch import ScheduledSequence, SchedulerOutput
+    from runner_logits import logits_at_samples
 
     hf = GPT2LMHeadModel.from_pretrained(tiny_checkpoint, torch_dtype=torch.float32).eval()
     llm = make_llm(tiny_checkpoint)
@@ -97,7 +98,7 @@ def test_float32_logits_match_transformers(tiny_checkpoint, prompts):
     prompt = prompts[4]
     blocks = list(range(-(-len(prompt) // 16)))
     seq = ScheduledSequence("x", prompt, 0, blocks, True, GREEDY)
-    ours = runner.compute_logits(SchedulerOutput([seq]))[0]
+    ours = logits_at_samples(runner, SchedulerOutput([seq]))[0]
     with torch.no_grad():
         theirs = hf(torch.tensor([prompt])).logits[0, -1]
     assert (ours - theirs).abs().max().item() < 1e-4

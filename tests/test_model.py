@@ -16,7 +16,9 @@ from engine.worker.attention import AttentionMetadata, TorchAttention
 from engine.core.batch import ScheduledSequence, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.worker.layers import TORCH_OPS, LinearShape
+from engine.build import build_runner
 from engine.worker.model_runner import ModelRunner
+from runner_logits import logits_at_samples
 from engine.worker.models.gpt2 import find_checkpoint, load_gpt2
 from engine.core.request import SamplingParams
 
@@ -35,7 +37,7 @@ def hf_model(tiny_checkpoint: Path):
 def runner(tiny_checkpoint: Path) -> ModelRunner:
     config = EngineConfig.from_flat(model=str(tiny_checkpoint), device="cpu", dtype="float32",
                                     block_size=BLOCK_SIZE, num_kv_blocks=64)
-    return ModelRunner(config)
+    return build_runner(config)
 
 
 def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
@@ -58,7 +60,7 @@ def test_varlen_prefill_matches_transformers(runner, hf_model):
     # scattered, non-contiguous blocks so that paging mistakes change the result
     block_ids = [[9, 3], [0], [17, 5, 30], [2, 40]]
     seqs = [chunk(f"r{i}", p, 0, len(p), b) for i, (p, b) in enumerate(zip(prompts, block_ids))]
-    logits = runner.compute_logits(SchedulerOutput(seqs))
+    logits = logits_at_samples(runner, SchedulerOutput(seqs))
     expected = torch.stack([hf_logits(hf_model, p)[-1] for p in prompts])
     assert logits.dtype == torch.float32 and logits.shape == (4, 50257)
     assert (logits - expected).abs().max() < 1e-4
@@ -79,12 +81,12 @@ def test_chunked_prefill_then_decode_matches_full_forward(runner, hf_model):
     then both decode. Every step's logits must equal HF's on the whole sequence so far."""
     a, b = random_tokens(11, 20), random_tokens(6, 21)
     blocks_a, blocks_b = [12, 6, 33, 1, 25], [14, 2, 8, 19]
-    runner.compute_logits(SchedulerOutput([chunk("b", b, 0, 6, blocks_b)]))
+    logits_at_samples(runner, SchedulerOutput([chunk("b", b, 0, 6, blocks_b)]))
     for start, end in [(0, 4), (4, 9), (9, 11)]:
         b.append(int(hf_logits(hf_model, b)[-1].argmax()))
         seqs = [chunk("a", a, start, end, blocks_a, sample=end == 11),
                 chunk("b", b, len(b) - 1, len(b), blocks_b)]
-        logits = runner.compute_logits(SchedulerOutput(seqs))
+        logits = logits_at_samples(runner, SchedulerOutput(seqs))
         expected = [hf_logits(hf_model, a[:end])[-1]] if end == 11 else []
         expected.append(hf_logits(hf_model, b)[-1])
         assert (logits - torch.stack(expected)).abs().max() < 1e-4
@@ -136,13 +138,13 @@ def test_loader_accepts_older_checkpoint_layouts(tiny_checkpoint, tmp_path, as_b
 def test_half_precision_tracks_float32(tiny_checkpoint, runner, dtype):
     config = EngineConfig.from_flat(model=str(tiny_checkpoint), device="cpu", dtype=dtype,
                                     block_size=BLOCK_SIZE, num_kv_blocks=64)
-    half = ModelRunner(config)
+    half = build_runner(config)
     assert all(p.dtype == getattr(torch, dtype) for p in half.model.parameters())
     assert half.kv_caches[0][0].dtype == getattr(torch, dtype)
     prompt = random_tokens(13, 30)
     out = SchedulerOutput([chunk("r", prompt, 0, 13, [5, 2, 9, 4])])
-    expected = runner.compute_logits(out)
-    logits = half.compute_logits(out)
+    expected = logits_at_samples(runner, out)
+    logits = logits_at_samples(half, out)
     assert logits.dtype == torch.float32
     assert (logits - expected).abs().max() < 1e-2
 

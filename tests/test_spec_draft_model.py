@@ -12,7 +12,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.core.config import ConfigError
-from engine.worker.cuda_graphs.draft_chain import DraftChainGraphs
+from engine.speculative.draft_model.chain_graphs import DraftChainGraphs
 from engine.worker.models.random_checkpoint import make_checkpoint
 from server_harness import ServerProcess, metric
 from test_cli import serve
@@ -161,8 +161,9 @@ def test_the_target_reads_the_drafts_from_the_device(tiny_checkpoint):
 
     engine = make_llm(tiny_checkpoint, speculative_config=draft_config(tiny_checkpoint)).engine
     runner, events = engine.runner, []
-    fill, forward = runner.drafter.fill, runner.model.forward
-    runner.drafter.fill = lambda seqs, *rest: events.append(
+    drafter = runner.speculation.drafter
+    fill, forward = drafter.fill, runner.model.forward
+    drafter.fill = lambda seqs, *rest: events.append(
         ("fill", seqs, fill(seqs, *rest))) or events[-1][2]
     runner.model.forward = lambda ids, *a: events.append(("forward", ids.tolist())) or forward(
         ids, *a)
@@ -193,7 +194,7 @@ def test_the_draft_has_kv_wherever_the_target_has(tiny_checkpoint, monkeypatch, 
     differ). Whatever was accepted, the draft's KV equals the target's at every position the
     request computed."""
     engine = make_llm(tiny_checkpoint, speculative_config=draft_config(tiny_checkpoint)).engine
-    runner, drafter = engine.runner, engine.runner.drafter
+    runner, drafter = engine.runner, engine.runner.speculation.drafter
     draft_runner = drafter.runner
     if chain != "eager":
         monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)

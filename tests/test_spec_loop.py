@@ -11,7 +11,7 @@ from engine.speculative.proposer import DraftContext
 from engine.speculative.stats import SpecDecodingStats
 from engine.worker import layers
 from engine.worker.sampler import _step_seed
-from engine.worker.spec_verify import verify
+from drafting import verify_one_hot
 from fakes import ScriptedProposer, drafts_at_rate
 
 STEPS, K, SEED = 40, 4, 1234
@@ -62,31 +62,26 @@ def speculative_decode(model, proposer, temperature: float, stats: SpecDecodingS
     while len(output) < STEPS:
         context = DraftContext("r", PROMPT, output, min(K, STEPS - len(output) - 1))
         if draft_model is None:
-            drafts, draft_probs = proposer.propose(context), None
+            drafts = proposer.propose(context)
         else:
-            drafts, draft_probs = draft_with(draft_model, PROMPT + output, context.max_drafts,
-                                             temperature)
+            drafts = greedy_drafts(draft_model, PROMPT + output, context.max_drafts)
         n = len(drafts)
-        verified = verify(logits_of(model, PROMPT + output + drafts, n + 1)[None],
-                          torch.tensor([drafts], dtype=torch.int64).view(1, n),
-                          torch.tensor([n]), torch.tensor([temperature]),
-                          position_seeds(len(output), n + 1), draft_probs)
+        verified = verify_one_hot(logits_of(model, PROMPT + output + drafts, n + 1)[None],
+                                  torch.tensor([drafts], dtype=torch.int64).view(1, n),
+                                  torch.tensor([n]), torch.tensor([temperature]),
+                                  position_seeds(len(output), n + 1))
         accepted = verified.num_accepted.item()
         stats.observe(n, accepted)
         output += verified.token_ids[0, :accepted + 1].tolist()
     return output
 
 
-def draft_with(draft_model, tokens: list[int], count: int, temperature: float):
-    """A draft model's proposal: count tokens sampled from its q, and q itself."""
-    gen = torch.Generator().manual_seed(len(tokens))
-    drafts, probs = [], []
+def greedy_drafts(draft_model, tokens: list[int], count: int) -> list[int]:
+    """A draft model's proposal, as the engine's draft model makes it: count argmax tokens."""
+    drafts: list[int] = []
     for _ in range(count):
-        q = torch.softmax(logits_of(draft_model, tokens + drafts, 1)[0] / temperature, -1)
-        drafts.append(torch.multinomial(q, 1, generator=gen).item())
-        probs.append(q)
-    vocab = draft_model.config.vocab_size
-    return drafts, torch.stack(probs)[None] if probs else torch.empty(1, 0, vocab)
+        drafts.append(int(logits_of(draft_model, tokens + drafts, 1)[0].argmax()))
+    return drafts
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
@@ -120,10 +115,10 @@ def test_scripted_speculation_changes_no_token_and_accepts_as_set(model, plain, 
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_the_target_as_its_own_draft_is_always_accepted(model):
-    """p == q: the test u q(d) < p(d) always passes, so every sampled draft stays."""
+def test_the_target_as_its_own_greedy_draft_is_always_accepted(model):
+    """Greedy, the target drafting for itself guesses each argmax: every draft stays."""
     stats = SpecDecodingStats(K)
-    output = speculative_decode(model, None, 1.0, stats, draft_model=model)
+    output = speculative_decode(model, None, 0.0, stats, draft_model=model)
     assert len(output) == STEPS
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
 
@@ -133,8 +128,7 @@ def test_draft_token_rows_and_host_drafts():
     5, 6 and 13, at flat indices 0, 1 and 4 of the [3, 2] drafts tensor, NO_TOKEN elsewhere."""
     from engine.core.batch import ScheduledSequence
     from engine.core.request import SamplingParams
-    from engine.worker.draft_rows import draft_token_rows, host_drafts
-    from engine.worker.spec_verify import NO_TOKEN
+    from engine.speculative.verify import NO_TOKEN, draft_token_rows, host_drafts
 
     greedy = SamplingParams(temperature=0.0)
     seqs = [ScheduledSequence(name, tokens, 7, (0,), True, greedy, num_drafts=n)

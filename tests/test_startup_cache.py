@@ -10,7 +10,7 @@ import torch
 
 from engine.core.config import EngineConfig
 from engine.worker.kv_sizing import KVSizing
-from engine.worker.model_runner import ModelRunner
+from engine.build import build_runner
 from engine.worker.models.gpt2 import GPT2Config
 from engine.worker.startup import StartupCache, default_cache_dir
 
@@ -89,7 +89,7 @@ SHAPES = GPT2Config(50257, 1024, 64, 2, 4, 256, 1e-5).linear_shapes
 
 
 def test_the_dispatcher_takes_the_cached_table_without_timing(tmp_path: Path, monkeypatch):
-    import kernels.backend as backend
+    import engine.worker.triton_ops as backend
     from kernels.skinny_gemm import TileConfig
 
     table = {(192, 64, 1, False, True): TileConfig(32, 64, 2, 4, 1),
@@ -125,7 +125,7 @@ def test_kv_sizing_reuses_the_worst_steps_bytes_while_nothing_changed(tiny_check
                                                                       monkeypatch):
     config = EngineConfig.from_flat(model=str(tiny_checkpoint), device="cpu", dtype="float32",
                                     num_kv_blocks=64, max_num_batched_tokens=256)
-    runner = ModelRunner(config)
+    runner = build_runner(config)
     assert runner.startup.summary().startswith("load ")
     assert "KV sizing" in runner.startup.summary() and "(given)" in runner.startup.summary()
     FakeCudaMemory(monkeypatch)

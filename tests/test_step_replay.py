@@ -10,6 +10,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
+from engine.build import build_runner
 from engine.worker.model_runner import ModelRunner
 
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
@@ -62,7 +63,7 @@ def test_recorded_steps_replay_through_a_fresh_runner(recorded):
             placeholders += 1
     assert placeholders > 12  # most decodes were scheduled ahead
 
-    fresh = ModelRunner(config)
+    fresh = build_runner(config)
     assert [fresh.execute(step) for step in steps] == recorder.outputs
 
 
@@ -71,7 +72,7 @@ def test_a_step_whose_placeholders_name_another_launch_is_refused(recorded):
     steps = [pickle.loads(raw) for raw in recorder.steps]
     k = next(i for i, step in enumerate(steps)
              if any(s.prev_sample_row >= 0 for s in step.sequences))
-    runner = ModelRunner(config)
+    runner = build_runner(config)
     for step in steps[:k - 1]:  # step k - 1, whose samples step k reads, is left out
         runner.execute(step)
     with pytest.raises(RuntimeError, match="placeholder tokens"):

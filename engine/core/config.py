@@ -123,10 +123,15 @@ class SpeculativeConfig:
     model: str | None = None  # the draft's HF hub id or local directory (draft_model only)
     prompt_lookup_max: int | None = None  # longest n-gram matched (ngram only)
     prompt_lookup_min: int | None = None  # shortest n-gram matched (ngram only)
+    # true: on a GPU, speculate only at the batch sizes and acceptance rates where the step
+    # times measured at startup say it pays (engine/speculative/switch.py); false: every
+    # step drafts up to num_speculative_tokens
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
         _spec_check(_is_int(k) and k >= 1, "num_speculative_tokens", k, "an integer >= 1")
+        _spec_check(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "true or false")
         _spec_check(self.method in SPECULATIVE_METHODS, "method", self.method,
                f"one of {SPECULATIVE_METHODS}")
         if self.method == "draft_model":

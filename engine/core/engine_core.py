@@ -30,28 +30,24 @@ from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
                                   EngineStats, FromCore, SequenceFailed, SequenceOutput,
-                                  Shutdown, SpecCounts, StepOutput, ToCore)
+                                  Shutdown, StepOutput, ToCore)
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.speculative.speculator import Speculator, build_speculator
+from engine.core.scheduler import Scheduler, Speculator
 
 log = logging.getLogger(__name__)
 IDLE_WAIT = 0.2  # seconds an idle core waits for work before it says it is alive
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner=None) -> None:
-        """`runner` defaults to a ModelRunner for the config; tests pass a fake with the same
+    def __init__(self, config: EngineConfig, runner, speculator: Speculator | None = None
+                 ) -> None:
+        """`runner`: a ModelRunner (engine/build.py builds both) or a test's fake with its
         `num_kv_blocks` and `launch(SchedulerOutput) -> pending with .wait()`."""
-        if runner is None:
-            from engine.worker.model_runner import ModelRunner  # torch lives behind this import
-
-            runner = ModelRunner(config)
         self.config = config
         self.runner = runner
         self.block_manager = BlockManager(runner.num_kv_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.speculator: Speculator | None = build_speculator(config, runner)
+        self.speculator = speculator
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    speculator=self.speculator)
         self._in_flight = None  # (SchedulerOutput, pending result) of the launched step
@@ -61,7 +57,8 @@ class EngineCore:
         """Queue a sequence. Raises ValueError with a clear message on bad input."""
         self.scheduler.add(Request(request.seq_id, request.prompt_token_ids, request.params,
                                    arrival_time=request.arrival_time,
-                                   cache_salt=request.cache_salt))
+                                   cache_salt=request.cache_salt,
+                                   priority=request.priority))
         self._num_sent[request.seq_id] = 0
 
     def abort(self, seq_ids: list[str]) -> None:
@@ -85,7 +82,7 @@ class EngineCore:
             to_finish, self._in_flight = self._in_flight, launched
         if to_finish is not None:  # never a step applied above: that left nothing in flight
             outputs = self._apply(*to_finish)
-        return StepOutput(outputs, self.stats())
+        return StepOutput(outputs, self.stats(scheduled.num_tokens))
 
     def _apply(self, scheduled, pending) -> list[SequenceOutput]:
         """Wait for a launched step, update the scheduler, and report what changed."""
@@ -118,13 +115,14 @@ class EngineCore:
                               request.finish_reason, request.stop_reason, request.finish_time,
                               request.first_scheduled_time, request.num_cached_tokens)
 
-    def stats(self) -> EngineStats:
+    def stats(self, num_scheduled_tokens: int = 0) -> EngineStats:
+        """The engine's state now; `num_scheduled_tokens`: of the step just scheduled."""
         bm, scheduler = self.block_manager, self.scheduler
-        spec = None if self.speculator is None else self.speculator.stats
+        spec = None if self.speculator is None else self.speculator.counts()
         return EngineStats(len(scheduler.running), len(scheduler.waiting), bm.usage,
                            bm.prefix_queries, bm.prefix_hits, scheduler.num_preemptions,
                            bm.num_free_blocks, bm.num_blocks,
-                           None if spec is None else SpecCounts.of(spec))
+                           spec, num_scheduled_tokens)
 
 
 def run_core_loop(core: EngineCore, receive: Callable[[float], list[ToCore]],

@@ -13,7 +13,6 @@ import msgspec
 
 from engine.core.batch import TokenLogprobs
 from engine.core.request import SamplingParams
-from engine.speculative.stats import SpecDecodingStats
 
 
 class CoreRequest(msgspec.Struct, array_like=True, gc=False):
@@ -23,6 +22,7 @@ class CoreRequest(msgspec.Struct, array_like=True, gc=False):
     params: SamplingParams
     arrival_time: float
     cache_salt: str | None = None  # prefix-cache tenant: hits only its own cached blocks
+    priority: int = 0  # vLLM's: lower first, under the priority scheduling policy
 
 
 class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
@@ -41,16 +41,12 @@ class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
 
 
 class SpecCounts(msgspec.Struct, array_like=True, gc=False):
-    """Speculative decoding's cumulative counters (engine/speculative/stats.py has their meaning)."""
+    """Speculative decoding's cumulative counters (engine/speculative/stats.py has their
+    meaning)."""
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
     num_accepted_tokens_per_pos: list[int]
-
-    @classmethod
-    def of(cls, stats: SpecDecodingStats) -> SpecCounts:
-        return cls(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                   list(stats.num_accepted_tokens_per_pos))
 
 
 # EngineStats' cumulative counts that vLLM exports as counters (`vllm:` + name)
@@ -58,6 +54,7 @@ ENGINE_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
+    """The engine's state after a step, and (num_scheduled_tokens) what that step scheduled."""
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -67,6 +64,9 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_free_blocks: int
     num_total_blocks: int
     spec: SpecCounts | None = None  # None: the engine does not speculate
+    # tokens of the step scheduled by the step() this follows (0: none, the core was idle);
+    # every scheduled step is counted in exactly one StepOutput
+    num_scheduled_tokens: int = 0
 
 
 class StepOutput(msgspec.Struct, array_like=True, gc=False, tag=True):

@@ -56,12 +56,30 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Protocol
 
 from engine.core.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
+from engine.core.messages import SpecCounts
 from engine.core.request import Request, RequestStatus
-from engine.speculative.speculator import Speculator
+
+
+class Speculator(Protocol):
+    """The scheduler's view of speculative decoding (engine/speculative/speculator.py)."""
+    lookahead: int  # positions past a verification whose blocks a speculating request keeps
+
+    def begin_step(self, batch_size: int) -> int: ...  # this step's draft length (0: none)
+
+    def may_speculate(self, request: Request) -> bool: ...
+
+    def propose(self, request: Request, max_drafts: int) -> list[int]: ...
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def counts(self) -> SpecCounts: ...  # the cumulative counters, for the step's stats
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,

@@ -9,12 +9,13 @@ and the counters of what the target accepted.
 from __future__ import annotations
 
 from engine.core.config import EngineConfig
+from engine.core.messages import SpecCounts
 from engine.core.request import Request
 from engine.speculative.draft_slots import DraftSlots
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposer import DraftContext, Proposer
 from engine.speculative.stats import SpecDecodingStats
-from engine.speculative.switch import SpeculationSwitch
+from engine.speculative.switch import SpeculationSwitch, StepTimes
 
 
 class Speculator:
@@ -23,7 +24,7 @@ class Speculator:
         """`switch` None: every step drafts up to num_speculative_tokens. `lookahead`: the
         positions past a verification whose blocks a speculating request keeps, for a
         draft model that drafts the next step before the scheduler has seen this one's
-        result (engine/worker/drafter.py, `Drafter.draft_ahead`)."""
+        result (`Drafter.draft_ahead`)."""
         self.proposer = proposer
         self.max_k = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -60,13 +61,17 @@ class Speculator:
     def release(self, request_id: str) -> None:
         self.proposer.release(request_id)
 
+    def counts(self) -> SpecCounts:
+        stats = self.stats
+        return SpecCounts(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                          list(stats.num_accepted_tokens_per_pos))
 
-def build_speculator(config: EngineConfig, runner) -> Speculator | None:
+
+def build_speculator(config: EngineConfig, times: StepTimes | None) -> Speculator | None:
     """The speculator config.speculative asks for (None: off): the n-gram proposer, or draft
-    slots that the runner's draft model fills in (`runner.drafter`, loaded with the runner),
-    with k positions of lookahead for it to draft the next step into.
-    The switch-off decides per step where the runner measured step times
-    (`runner.measure_spec_step_times()`: on CUDA), else every step speculates."""
+    slots that the runner's draft model fills in, with k positions of lookahead for it to
+    draft the next step into. The switch-off decides per step from `times` (the runner's,
+    measured at startup); without them every step speculates."""
     spec = config.speculative
     if spec is None:
         return None
@@ -74,6 +79,5 @@ def build_speculator(config: EngineConfig, runner) -> Speculator | None:
         proposer, lookahead = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max), 0
     else:
         proposer, lookahead = DraftSlots(), spec.num_speculative_tokens
-    times = runner.measure_spec_step_times()
     return Speculator(proposer, spec.num_speculative_tokens, config.scheduler.max_model_len,
                       None if times is None else SpeculationSwitch(times), lookahead)

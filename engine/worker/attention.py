@@ -109,7 +109,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        from kernels.backend import TritonAttention
+        from engine.worker.triton_ops import TritonAttention
 
         return TritonAttention()
     raise ValueError(f"unknown attention backend {name!r}: choose 'torch' or 'triton'")

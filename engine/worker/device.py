@@ -44,7 +44,7 @@ def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig
     that table came from ("cached", "measured"; None: no table)."""
     if backend != "triton":
         return TORCH_OPS, None
-    from kernels.backend import measured_triton_ops, triton_ops
+    from engine.worker.triton_ops import measured_triton_ops, triton_ops
 
     if config.model.enforce_eager:
         return triton_ops(), None

@@ -8,8 +8,8 @@ the peak of a worst-case step and the CUDA graphs' pool:
       - weights                      (allocated before sizing)
       - worst step above the weights (profiled once, then kept in the startup cache)
       - graph pool estimate          (logits of every captured size + one step + margin)
-      - the draft model's weights and graphs, with the draft_model method
-    = budget  ─▶  budget // (bytes of one block, target's + draft's)
+      - reserved_bytes               (a draft model's weights and graphs)
+    = budget  ─▶  budget // (bytes of one block + extra_block_bytes: a draft's block)
 
 On CPU the budget is cpu_kv_cache_bytes.
 """
@@ -36,23 +36,21 @@ def kv_block_bytes(cfg: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
 
 
 class KVSizing:
-    def __init__(self, runner, draft: GPT2Config | None) -> None:
-        """runner: the ModelRunner being built (model loaded, no KV cache yet)."""
-        self.runner, self.draft = runner, draft
-        self.config = runner.config
+    def __init__(self, runner, extra_block_bytes: int = 0, reserved_bytes: int = 0) -> None:
+        """runner: the ModelRunner being built (model loaded, no KV cache yet); a block also
+        costs `extra_block_bytes` elsewhere, and `reserved_bytes` of CUDA memory are set
+        aside (both for a draft model's pool and weights beside the runner's)."""
+        self.runner, self.config = runner, runner.config
+        self.extra_block_bytes, self.reserved_bytes = extra_block_bytes, reserved_bytes
 
     def num_blocks(self) -> tuple[int, str]:
-        """Blocks of the runner's pool and, with a draft model, of the draft's beside it; and
-        how the budget was found ("profiled", "cached", "cpu budget")."""
-        runner, draft = self.runner, self.draft
-        block_bytes = runner.kv_block_bytes
-        if draft is not None:
-            block_bytes += kv_block_bytes(draft, runner.block_size, runner.dtype)
+        """Blocks of the runner's pool, and how the budget was found ("profiled", "cached",
+        "cpu budget")."""
+        runner = self.runner
+        block_bytes = runner.kv_block_bytes + self.extra_block_bytes
         if runner.device.type == "cuda":
             budget, sizing = self.free_cuda_bytes()
-            if draft is not None:
-                budget -= draft_reserved_bytes(draft, runner.dtype,
-                                               self.config.scheduler.max_num_seqs)
+            budget -= self.reserved_bytes
         else:
             budget, sizing = self.config.cache.cpu_kv_cache_bytes, "cpu budget"
         num_blocks = budget // block_bytes
@@ -97,7 +95,7 @@ class KVSizing:
                 "block_size": runner.block_size, "max_drafts": runner.max_drafts,
                 "max_num_batched_tokens": sched.max_num_batched_tokens,
                 "max_num_seqs": sched.max_num_seqs, "max_model_len": sched.max_model_len,
-                "source": source_hash("engine/worker", "kernels")}
+                "source": source_hash("engine/worker", "engine/speculative", "kernels")}
 
     def graph_memory_estimate(self, step_bytes: int) -> int:
         """Graphs are captured after the cache is allocated, so their pool is set aside up
@@ -114,15 +112,6 @@ class KVSizing:
                         for size in mixed_capture_sizes(sched.max_num_batched_tokens))
         logits_row = runner.model.config.padded_vocab_size * runner.dtype.itemsize
         return rows * logits_row + step_bytes + GRAPH_MARGIN
-
-
-def draft_reserved_bytes(draft: GPT2Config, dtype: torch.dtype, max_num_seqs: int) -> int:
-    """CUDA memory the draft model takes beside its KV pool, set aside when the target sizes
-    the pools (the draft loads after): its weights, its chain graphs' working memory (the
-    logits of one iteration at the largest batch: no graph keeps logits between replays), a
-    margin."""
-    logits = max_num_seqs * draft.padded_vocab_size * dtype.itemsize
-    return draft.num_parameters * dtype.itemsize + logits + GRAPH_MARGIN
 
 
 def worst_step(config: EngineConfig, block_size: int,

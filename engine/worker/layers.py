@@ -1,6 +1,6 @@
 """The model's elementwise building blocks, as a swappable set of functions.
 
-`TORCH_OPS` is the plain-PyTorch reference; the Triton backend (`kernels.backend.triton_ops`)
+`TORCH_OPS` is the plain-PyTorch reference; the Triton backend (`engine.worker.triton_ops.triton_ops`)
 provides fused Triton versions with the same signatures. The model receives one `Ops` at
 construction (no global switch).
 """
@@ -12,7 +12,6 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from engine.worker.chain_start import chain_start
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -112,9 +111,7 @@ class Ops:
     linear: Callable[..., torch.Tensor]  # linear(x, weight, bias, gelu=False)
     add_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     sample: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    # a draft chain run's plan and first inputs, queued ahead (engine/worker/chain_start.py)
-    chain_start: Callable[..., None]
 
 
 TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
-                add_norm_linear=add_norm_linear, sample=sample, chain_start=chain_start)
+                add_norm_linear=add_norm_linear, sample=sample)

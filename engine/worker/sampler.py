@@ -25,10 +25,10 @@ import torch
 from engine.worker import layers
 from engine.core.batch import ScheduledSequence, TokenLogprobs
 from engine.worker.inputs import upload
-from engine.worker.spec_verify import NO_TOKEN
 from engine.core.request import EOS_TOKEN_ID
 
 NEG_INF = float("-inf")
+NO_TOKEN = -1  # pads verified_token_ids after a row's sampled token
 
 
 @dataclass
@@ -40,15 +40,18 @@ class SamplerOutput:
     sampled_logprobs: torch.Tensor | None = None  # [len(logprob_rows)]
     top_ids: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)]
     top_logprobs: torch.Tensor | None = None
-    # a step with drafts (draft_rows.py): [N, k + 1] int64, each row's accepted drafts, then
-    # its sampled token, then NO_TOKEN
+    # a step with drafts (engine/worker/speculation.py): [N, k + 1] int64, each row's
+    # accepted drafts, then its sampled token, then NO_TOKEN
     verified_token_ids: torch.Tensor | None = None
     host: list[torch.Tensor] | None = field(default=None, repr=False)  # once copies started
     ready: torch.cuda.Event | None = field(default=None, repr=False)  # when they landed
 
     def begin_host_copy(self) -> None:
         """Start every device-to-host copy (into pinned memory) and mark when they land,
-        without waiting: the host can do other work while the step finishes."""
+        without waiting: the host can do other work while the step finishes. Once only:
+        a second call does nothing."""
+        if self.host is not None:
+            return
         tensors = [self.token_ids]
         if self.logprob_rows:
             tensors += [self.sampled_logprobs, self.top_ids, self.top_logprobs]

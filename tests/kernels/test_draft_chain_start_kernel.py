@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.worker.chain_start import chain_start as chain_start_reference
+from engine.speculative.draft_model.chain_start import chain_start as chain_start_reference
 from kernel_cases import DEVICE
 from kernels.draft_chain_start import draft_chain_start
 

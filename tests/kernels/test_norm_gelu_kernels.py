@@ -4,7 +4,7 @@ import torch
 from engine.worker.layers import TORCH_OPS
 from engine.worker.layers import bias_gelu as bias_gelu_reference
 from kernel_cases import DEVICE, DTYPES, INTERPRET, tol
-from kernels.backend import triton_ops
+from engine.worker.triton_ops import triton_ops
 from kernels.gelu import bias_gelu
 
 LN_SHAPES = [(1, 768), (5, 1600), (2, 3, 100), (1027, 48)]  # the last: 4 rows per program

@@ -1,7 +1,8 @@
-"""The Triton backend: the one module where engine/ and kernels/ meet. The engine asks for it
-by name (attention_backend "triton") and gets the fused ops and the attention backend from
-here; no other module of kernels/ imports engine/, and no other module of engine/ imports
-kernels/ (tests/test_layers.py holds both to that)."""
+"""The Triton backend: the engine's adapter over kernels/, which imports nothing from engine/.
+The engine asks for it by name (attention_backend "triton") and gets the fused ops and the
+attention backend from here. Only this module and the draft chain's
+(engine/speculative/draft_model/chain_start.py) import kernels/ (tests/test_layers.py holds
+the engine to that)."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +12,6 @@ import torch
 from engine.worker.attention import AttentionMetadata
 from engine.worker.layers import LinearShape, Ops
 from engine.worker.startup import StartupCache, device_key, source_hash
-from kernels.draft_chain_start import draft_chain_start
 from kernels.layernorm import add_layer_norm, layer_norm
 from kernels.linear import LinearDispatch, SkinnyWins, measure_skinny_wins
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
@@ -26,8 +26,7 @@ def triton_ops(skinny_wins: SkinnyWins | None = None) -> Ops:
     in the tile config that won (none: cuBLAS for every linear)."""
     linear = LinearDispatch(skinny_wins)
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
-               add_norm_linear=linear.add_norm_linear, sample=row_sample,
-               chain_start=draft_chain_start)
+               add_norm_linear=linear.add_norm_linear, sample=row_sample)
 
 
 def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],

@@ -10,13 +10,25 @@ first iteration's inputs, two token rows a sequence:
     plan        iteration i at min(p + i, p + k - 1), slot -1 once the row has drawn its k
 
 A row without drafts (padding) sits at positions 0 and 1 and writes nothing. The plan is
-`chain_plan`, which every chain run's `ChainPlan.of` computes too. This is the plain-PyTorch
-reference; kernels/draft_chain_start.py does it in one launch (some fifty of
-these small ops took ~60 us of device time in a step's graphs).
+`chain_plan`, which every chain run's `ChainPlan.of` computes too. `chain_start` is the
+plain-PyTorch reference; kernels/draft_chain_start.py does it in one launch instead of some
+fifty small ones (`chain_start_op` picks).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+
+def chain_start_op(attention_backend: str) -> Callable[..., None]:
+    """The Triton kernel with the Triton backend (imported only then: CPU runs need no
+    Triton), else the reference."""
+    if attention_backend != "triton":
+        return chain_start
+    from kernels.draft_chain_start import draft_chain_start
+
+    return draft_chain_start
 
 
 def chain_plan(first: torch.Tensor, block_tables: torch.Tensor, draft_counts: torch.Tensor,

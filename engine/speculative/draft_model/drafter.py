@@ -11,7 +11,7 @@ block manager stays the one owner of blocks.
     before a step     fill(): the draft's greedy iterations over the sampling sequences,
     with drafts       chained on the device (cuda_graphs/draft_chain.py: staged once, a
                       graph per iteration on CUDA); their tokens, a device tensor, fill the
-                      step's UNFILLED_DRAFT slots there (ModelRunner._draft_writer) and are
+                      step's UNFILLED_DRAFT slots there (DraftModelSpeculation.plan) and are
                       judged there, so the host never waits for a draft
     after a step      draft_ahead(): with chain graphs, the next step's iterations queued
     that verifies     right behind the verification, from its accepted counts on the device
@@ -26,54 +26,28 @@ existing verification (`accept_drawn`) exact rejection sampling for sampled rows
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from engine.core.batch import ScheduledSequence
-from engine.core.config import EngineConfig, check_draft_model
 from engine.core.request import SamplingParams
+from engine.speculative.draft_model.chain_graphs import (CatchUp, DraftChainGraphs,
+                                                         feed_for_kv, greedy_chain)
+from engine.speculative.draft_model.chain_start import chain_start_op
 from engine.worker.attention import AttentionMetadata
-from engine.worker.cuda_graphs.draft_chain import (CatchUp, DraftChainGraphs, feed_for_kv,
-                                                   greedy_chain)
 from engine.worker.inputs import StepInputs, prepare_host_inputs, to_device, upload
-from engine.worker.models.gpt2 import GPT2Config, find_checkpoint
-from engine.worker.sampler import SamplerOutput
-from engine.worker.spec_verify import NO_TOKEN
+from engine.worker.sampler import NO_TOKEN, SamplerOutput
 
 log = logging.getLogger(__name__)
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def find_draft(config: EngineConfig, target_dir: Path) -> GPT2Config | None:
-    """The draft model's config (None: no draft_model method), once its HF config.json and
-    the target's pass `check_draft_model` (a ConfigError naming the field if not)."""
-    spec = config.speculative
-    if spec is None or spec.method != "draft_model":
-        return None
-    draft_dir, draft = find_checkpoint(spec.model)
-    check_draft_model(_hf_config(target_dir), _hf_config(draft_dir))
-    return draft
-
-
-def _hf_config(model_dir: Path) -> dict:
-    return json.loads((model_dir / "config.json").read_text())
-
-
-def draft_runner_config(config: EngineConfig, num_kv_blocks: int) -> EngineConfig:
-    """The draft's runner: the target's device, dtype and attention backend, the draft's
-    weights, a pool of the target's num_kv_blocks, no speculation."""
-    return replace(config, model=replace(config.model, model=config.speculative.model),
-                   cache=replace(config.cache, num_kv_blocks=num_kv_blocks), speculative=None)
-
-
 class Drafter:
     def __init__(self, runner, max_drafts: int) -> None:
-        """runner: the draft's ModelRunner (draft_runner_config, no step graphs of its
+        """runner: the draft's ModelRunner (its KV cache allocated, no step graphs of its
         own); where it could use CUDA graphs, its iterations (up to max_drafts) and its
         catch-up are captured."""
         self.runner = runner
@@ -90,7 +64,8 @@ class Drafter:
         runner, sched, start = self.runner, self.runner.config.scheduler, time.perf_counter()
         chain = DraftChainGraphs(runner.model, runner.kv_caches, sched.max_num_seqs,
                                  runner.max_blocks_per_seq, runner.block_size,
-                                 sched.max_model_len, runner.device, max_drafts)
+                                 sched.max_model_len, runner.device, max_drafts,
+                                 chain_start_op(runner.attention_backend))
         chain.capture()
         log.info("captured the draft's %d iterations for batch sizes %s in %.1f s", max_drafts,
                  chain.sizes, time.perf_counter() - start)

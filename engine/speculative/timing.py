@@ -2,7 +2,7 @@
 at startup: a plain decode step T(B), and a speculative step S(B, k) = a verification step
 (B rows of k + 1 tokens; the mixed-step graph of that padded count on CUDA) plus the
 proposal: the n-gram proposer's host time for B requests, or the draft model's k decode
-iterations over B rows (`Drafter.fill`, queued by the step's launch), for each batch size B
+iterations over B rows (queued by the step's launch), for each batch size B
 a step can hold and k in 1..K.
 
 The synthetic steps read and write the KV of blocks 0.. while nothing is cached yet; every
@@ -11,8 +11,6 @@ would. Times are wall-clock seconds a step as the engine's loop runs it: plain s
 pipelined with async scheduling (each launched before the last is waited for, so the host's
 work hides behind the device's), speculative steps one at a time (`runner.execute`: launch,
 wait), as a step whose result decides the next is applied before the next is scheduled.
-Timed one at a time, a plain step looked as dear as a one-stream verification in the
-8-token graph, and the switch kept a stream whose drafts all failed speculating (0.83x).
 """
 from __future__ import annotations
 
@@ -33,7 +31,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def measure_step_times(runner, spec: SpeculativeConfig, sched: SchedulerConfig,
                        repeats: int = 5) -> StepTimes:
-    """`runner`: a ModelRunner (its `execute`, `drafter`, `block_size`, `num_kv_blocks`)."""
+    """`runner`: a built ModelRunner (its `execute`, `launch`, `block_size`,
+    `num_kv_blocks`), its speculation in place."""
     k_max = spec.num_speculative_tokens
     sizes = sorted({b for b in BATCH_SIZES + (sched.max_num_seqs,)
                     if b <= sched.max_num_seqs and b * (k_max + 1) <= sched.max_num_batched_tokens})

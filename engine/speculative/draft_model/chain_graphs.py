@@ -30,12 +30,12 @@ import numpy as np
 import torch
 
 from engine.core.batch import ScheduledSequence
+from engine.speculative.draft_model.chain_start import chain_plan, chain_start, slots_at
 from engine.worker.attention import AttentionMetadata
-from engine.worker.chain_start import chain_plan, slots_at
 from engine.worker.cuda_graphs.buffers import BufferLayout
 from engine.worker.cuda_graphs.decode import DecodeStager, OneTokenGraphs
 from engine.worker.cuda_graphs.graph_set import capture_graph
-from engine.worker.spec_verify import NO_TOKEN
+from engine.worker.sampler import NO_TOKEN
 
 Draw = Callable[[torch.Tensor], torch.Tensor]  # hidden states [B, D] -> greedy tokens [B]
 
@@ -124,11 +124,13 @@ class DraftChainGraphs(OneTokenGraphs):
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
-                 device: torch.device, iterations: int):
+                 device: torch.device, iterations: int,
+                 start_op: Callable[..., None] = chain_start):
+        """start_op: the ahead run's start (`chain_start` or its kernel, `chain_start_op`)."""
         super().__init__(model, kv_caches, max_num_seqs, max_model_len, device,
                          lambda rows: chain_meta_layout(rows, max_blocks_per_seq),
                          lambda tokens, meta: DraftChainStager(tokens, meta, block_size))
-        self.iterations, self.block_size = iterations, block_size
+        self.iterations, self.block_size, self.start_op = iterations, block_size, start_op
         self.drafts = torch.full((self.max_batch, iterations), NO_TOKEN, dtype=torch.int64,
                                  device=device)
         # no row catches up while the graphs are captured (a row at position 0 cannot)
@@ -182,13 +184,13 @@ class DraftChainGraphs(OneTokenGraphs):
 
     def first_iteration_ahead(self, size: int, first: tuple[ChainPlan, torch.Tensor]) -> None:
         """The first iteration of a run queued ahead, from the staged last run and
-        `verified` (engine/worker/chain_start.py: two token rows a sequence, the token
+        `verified` (draft_model/chain_start.py: two token rows a sequence, the token
         before its next known one and that one), its plan and tokens written into `first`
         (the plain first iteration's captured outputs, which the iterations after it read)."""
         plan, tokens = first
         m, device = self.meta, self.drafts.device
         inputs = [torch.empty(2 * size, dtype=torch.int64, device=device) for _ in range(3)]
-        self.model.ops.chain_start(
+        self.start_op(
             self.tokens.positions[:size], self.tokens.token_ids[:size], m.draft_counts[:size],
             m.block_tables[:size], self.drafts[:size], self.verified[0, :size],
             self.verified[1, :size], self.block_size, plan.positions, plan.slots,

@@ -4,7 +4,7 @@ A sequence with d drafts samples at d + 1 positions: its last known token and ea
 The sampler gets one row per position, position i drawing as output index
 num_output_tokens + i would (its seed, `Sampler.draw_inputs`), so each draw is the very token
 plain decoding would sample there given the drafts before it. Verification then compares
-(spec_verify.accept_drawn): drafts stay while they equal the draws, and the draw at the first
+(`accept_drawn`): drafts stay while they equal the draws, and the draw at the first
 mismatch, or after the last draft, is the sequence's sampled token.
 
     sequences   A (2 drafts)          B (none)     C (1 draft)
@@ -12,21 +12,48 @@ mismatch, or after the last draft, is the sequence's sampled token.
     plain       [[A+0 A+1 A+2]        [B+0 B+0 B+0]  [C+0 C+1 C+1]]    (padding repeats)
     sampled     A: plain[num_accepted]   B: B+0   C: plain[num_accepted]
 
-Only one-hot drafts come this way (a host proposer's, or the draft model's greedy guesses,
-which the runner writes into the step's token rows on the device: `draft_token_rows`), so
-the plain draws decide everything.
+    position      0     1     2  ..  k-1      k
+    draft         d0    d1    d2 ..  d(k-1)   -
+    output        d0    d1    x2                       2 accepted, x2 the correction
+                  d0    d1    d2 ..  d(k-1)   xk       all accepted, xk the bonus
+
+Drafts are one-hot (a host proposer's, or the draft model's greedy guesses), so the plain
+draws decide everything. For a sampled row the draw is the Gumbel race
+x_i = argmax(logits_i / T + G(seed_i)): the draft is accepted when x_i == d_i, which happens
+with probability p_i(d_i) = min(1, p/q) for q one-hot; otherwise x_i is the correction, and
+given x_i != d_i it is distributed as normalize(max(p_i - onehot(d_i), 0)). That is
+rejection sampling exactly, with the accept test and the resampling coupled through one race,
+and a seeded request's output is the same with speculation on or off.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from engine.core.batch import ScheduledSequence
 from engine.worker.inputs import upload
-from engine.worker.sampler import SamplerOutput
-from engine.worker.spec_verify import NO_TOKEN, accept_drawn
+from engine.worker.sampler import NO_TOKEN, SamplerOutput
+
+
+@dataclass(frozen=True)
+class Verified:
+    num_accepted: torch.Tensor  # [R] int64: leading drafts accepted
+    token_ids: torch.Tensor  # [R, k + 1] int64: accepted drafts, then the next token; NO_TOKEN
+
+
+def accept_drawn(plain: torch.Tensor, draft_token_ids: torch.Tensor,
+                 num_drafts: torch.Tensor) -> Verified:
+    """One-hot drafts ([R, k], any padding past a row's num_drafts ignored) judged against
+    the plain draws of their positions (plain [R, k + 1]): accepted while equal, then the
+    draw at the first mismatch, or the bonus draw after all of them."""
+    is_draft = torch.arange(plain.shape[1] - 1, device=plain.device) < num_drafts[:, None]
+    matches = (plain[:, :-1] == draft_token_ids) & is_draft
+    num_accepted = matches.long().cumprod(dim=1).sum(dim=1)
+    positions = torch.arange(plain.shape[1], device=plain.device)
+    return Verified(num_accepted, torch.where(positions <= num_accepted[:, None], plain,
+                                              NO_TOKEN))
 
 
 def position_rows(seqs: list[ScheduledSequence]) -> list[ScheduledSequence]:

@@ -1,0 +1,74 @@
+"""Puts the engine together from a config, in the order a reader follows:
+
+    build_runner    load the model ─▶ size the KV cache ─▶ add speculation ─▶ capture graphs
+    build_engine_core   a runner, the speculator (its switch-off timed on the runner), the core
+
+The only module that wires engine/worker/ and engine/speculative/ into engine/core/: the
+core and the worker know speculation only through their small protocols.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.core.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.speculative.speculator import build_speculator
+from engine.speculative.switch import StepTimes
+
+log = logging.getLogger(__name__)
+
+
+def build_runner(config: EngineConfig):
+    """A ModelRunner ready to launch steps (torch is imported here, not before)."""
+    from engine.speculative.draft_model.method import build_draft, draft_memory, find_draft
+    from engine.speculative.host_drafts import HostDraftSpeculation
+    from engine.worker.kv_sizing import KVSizing
+    from engine.worker.model_runner import ModelRunner
+    from engine.worker.models.gpt2 import find_checkpoint
+
+    model_dir, model_config = find_checkpoint(config.model.model)
+    draft = find_draft(config, model_dir)  # checked against the target before any load
+    runner = ModelRunner(config, model_dir, model_config)
+    if config.speculative is not None:  # the worst-case step samples at every draft
+        runner.speculation = HostDraftSpeculation(runner.device)
+    start = time.perf_counter()
+    extra = (0, 0) if draft is None else draft_memory(
+        draft.config, runner.block_size, runner.dtype, config.scheduler.max_num_seqs)
+    num_blocks, sizing = ((config.cache.num_kv_blocks, "given") if config.cache.num_kv_blocks
+                          else KVSizing(runner, *extra).num_blocks())
+    runner.allocate(num_blocks)
+    runner.startup.add("KV sizing", time.perf_counter() - start, sizing)
+    log.info("KV cache: %d blocks of %d tokens (%.2f GiB); %.1f requests fit at the full "
+             "%d-token context; sized in %.1f s", num_blocks, runner.block_size,
+             num_blocks * runner.kv_block_bytes / 2**30, num_blocks / runner.max_blocks_per_seq,
+             config.scheduler.max_model_len, time.perf_counter() - start)
+    if draft is not None:
+        runner.speculation = build_draft(config, runner, draft)
+    if runner.uses_graphs:
+        runner.capture_graphs()
+    return runner
+
+
+def build_engine_core(config: EngineConfig, runner=None,
+                      step_times: StepTimes | None = None) -> EngineCore:
+    """The core over `runner` (default: build_runner; tests pass fakes). The speculation
+    switch-off decides from `step_times`, measured on a built runner's CUDA device (CPU
+    times say nothing of a GPU's); without them every step speculates."""
+    if runner is None:
+        runner = build_runner(config)
+        step_times = _measured_step_times(config, runner)
+    return EngineCore(config, runner, build_speculator(config, step_times))
+
+
+def _measured_step_times(config: EngineConfig, runner) -> StepTimes | None:
+    spec = config.speculative
+    if spec is None or not spec.adaptive or runner.device.type != "cuda":
+        return None
+    from engine.speculative.timing import measure_step_times
+
+    start = time.perf_counter()
+    times = measure_step_times(runner, spec, config.scheduler)
+    log.info("speculation cost model measured in %.1f s: %s", time.perf_counter() - start,
+             times)
+    return times
