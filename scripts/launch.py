@@ -100,7 +100,7 @@ def main() -> None:
                         help='taskset\'s list syntax, e.g. "8-15" or "0,2,4-7" (default: any)')
     parser.add_argument("command", nargs="+", help="the command, after --")
     args = parser.parse_args()
-    sys.exit(subprocess.run(args.command, preexec_fn=pin_to(args.cpus)).returncode)
+    sys.exit(subprocess.run(args.command, check=False, preexec_fn=pin_to(args.cpus)).returncode)
 
 
 if __name__ == "__main__":

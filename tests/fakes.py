@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from engine.speculative.proposer import DraftContext
 

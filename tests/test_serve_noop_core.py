@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import httpx
-
 from server_harness import ROOT, ServerProcess
 
 

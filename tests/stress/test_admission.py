@@ -9,7 +9,6 @@ import subprocess
 
 import httpx
 import pytest
-
 from server_harness import metric, wait_for
 from sse_client import client
 
