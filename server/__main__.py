@@ -18,15 +18,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, CacheConfig, ConfigError,
-                                EngineConfig, ModelConfig, SchedulerConfig, flat_field_names,
-                                load_config)
+from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, SCHEDULING_POLICIES,
+                                CacheConfig, ConfigError, EngineConfig, ModelConfig,
+                                SchedulerConfig, flat_field_names, load_config)
 from server.app import ServerSettings, create_app, version
 from server.api_servers import ApiServerOptions, listening_socket, run_api_servers
 from server.chat_template import resolve_chat_template
 from server.core_client import CoreClient
 from server.engine_process import LOG_FORMAT, EngineProcess
 from server.http_server import HttpLimits, add_http_flags, serve_app
+from server.metrics import cache_config_labels
 
 logger = logging.getLogger("gpt2serve")
 CONFIG_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
@@ -42,6 +43,8 @@ ENGINE_FLAG_HELP = {
     "startup_cache": "reuse the skinny-GEMM table and KV sizing measured by an earlier start "
                      "with nothing changed (kept under TRITON_CACHE_DIR/gpt2-serve)",
     "seed": "seed of requests that set none",
+    "num_cpu_threads": "torch threads of the engine core on CPU; None: one per core the "
+                       "server may run on (os.sched_getaffinity)",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (default: sized from free memory)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use, KV cache included",
@@ -51,9 +54,12 @@ ENGINE_FLAG_HELP = {
     "max_num_batched_tokens": "token budget of one forward pass",
     "max_model_len": "prompt + output tokens of one request (at most 1024)",
     "async_scheduling": "schedule step N+1 while step N runs on the device",
+    "scheduling_policy": "fcfs: arrival order; priority: by the requests' `priority` "
+                         "(lower first, then arrival), and preempt the worst first",
 }
 ENGINE_FLAG_CHOICES = {"dtype": DTYPES, "device": DEVICES,
                        "attention_backend": ATTENTION_BACKENDS,
+                       "scheduling_policy": SCHEDULING_POLICIES,
                        "block_size": tuple(2 ** i for i in range(11))}
 
 
@@ -203,8 +209,9 @@ def _log_startup(core: EngineProcess, config: EngineConfig, args: argparse.Names
                 info.dtype, info.attention_backend, model.enforce_eager)
     logger.info("kv cache: %d blocks x %d tokens, prefix caching %s", info.num_kv_blocks,
                 cache.block_size, "on" if cache.enable_prefix_caching else "off")
-    logger.info("scheduler: max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d",
-                sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens)
+    logger.info("scheduler: max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d "
+                "policy=%s", sched.max_model_len, sched.max_num_seqs,
+                sched.max_num_batched_tokens, sched.scheduling_policy)
     if config.speculative is not None:
         logger.info("speculative decoding: %s", config.speculative)
     logger.info("server: max_queued_requests=%d max_n=%d shutdown_timeout=%.0fs api_key=%s",
@@ -250,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         watchdog_timeout=args.watchdog_timeout,
         watchdog_exit_timeout=args.watchdog_exit_timeout,
         shutdown_timeout=args.shutdown_timeout, enable_docs=not args.disable_fastapi_docs,
+        scheduling_policy=config.scheduler.scheduling_policy,
+        cache_config_info=cache_config_labels(config.cache, core.info.num_kv_blocks),
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),

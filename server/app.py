@@ -57,6 +57,9 @@ class ServerSettings:
     watchdog_exit_timeout: float | None = None  # silent this long: exit (None: 2x the above)
     shutdown_timeout: float = 30.0  # after SIGTERM, open streams end with an error after this
     enable_docs: bool = True  # /openapi.json and /docs
+    # the engine's: "priority" lets requests set `priority` (SchedulerConfig.scheduling_policy)
+    scheduling_policy: str = "fcfs"
+    cache_config_info: dict[str, str] | None = None  # labels (metrics.cache_config_labels)
     chat_template: str | None = None  # its text (--chat-template, or the checkpoint's)
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered
     # CORS, with vLLM's defaults (--allowed-origins, ...)
@@ -78,14 +81,16 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
     connects to it, and stops it at the end."""
     tokenizer = Tokenizer()
     metrics = ServerMetrics(settings.model_name, core.max_model_len,
-                            counts_engine_totals=core.client_index == 0)
+                            counts_engine_totals=core.client_index == 0,
+                            cache_config_info=settings.cache_config_info)
     async_engine = AsyncEngine(core, tokenizer, settings.max_queued_requests,
                                settings.watchdog_timeout, settings.watchdog_exit_timeout,
                                observe_output=metrics.observe_output,
                                observe_stats=metrics.observe_stats,
                                observe_request=metrics.observe_request)
     limits = Limits(tokenizer.vocab_size, core.max_model_len, settings.max_n,
-                    settings.max_prompts_per_request)
+                    settings.max_prompts_per_request,
+                    priority_scheduling=settings.scheduling_policy == "priority")
     service = CompletionService(async_engine, tokenizer, settings.model_name, limits)
 
     @contextlib.asynccontextmanager

@@ -209,14 +209,14 @@ class AsyncEngine:
 
     def generate(self, request_id: str, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams],
-                 cache_salt: str | None = None) -> Generation:
+                 cache_salt: str | None = None, priority: int = 0) -> Generation:
         """Queue one engine request per prompt. A request costs P prompts x n choices
         sequences against the queue cap: 400 if it could never fit, 503 when the queue is
         too full now or the engine is down. Input the engine cannot take is a 400.
         Transactional: the request is counted and routed only once its message has been
         encoded and sent; if anything before that fails, nothing of it remains.
         `params`: every prompt's, or one each (the same n). `cache_salt`: its prefix-cache
-        tenant (vLLM's field)."""
+        tenant, `priority`: its place under the priority scheduling policy (vLLM's fields)."""
         each = params if isinstance(params, list) else [params] * len(prompts)
         self._check_admission(prompts, each)
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -224,7 +224,8 @@ class AsyncEngine:
         try:
             sequences = [sequence for rid, prompt, own in zip(ids, prompts, each)
                          for sequence in self.processor.add(rid, None, prompt, own, arrival,
-                                                            cache_salt=cache_salt)]
+                                                            cache_salt=cache_salt,
+                                                            priority=priority)]
             self.connection.send(AddSequences(sequences, self.connection.client_index))
         except Exception as exc:
             for rid in ids:
@@ -302,7 +303,8 @@ class AsyncEngine:
         self._accepting = False
         if self.stats is not None:  # the cumulative counters stay as they were
             self._observe_stats(msgspec.structs.replace(
-                self.stats, num_running=0, num_waiting=0, kv_cache_usage=0.0))
+                self.stats, num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                num_scheduled_tokens=0))
         self.on_fatal()
 
     # ---- messages from the core, on the event loop ----
@@ -333,7 +335,8 @@ class AsyncEngine:
         if not steps:
             return
         self.stats = steps[-1].stats
-        self._observe_stats(self.stats)  # gauges, and counters from cumulative counts
+        for step in steps:  # each: a step's scheduled tokens are in its own stats only
+            self._observe_stats(step.stats)
         outputs, to_abort = self.processor.process(*steps)
         if to_abort:
             self.connection.send(AbortSequences(to_abort))

@@ -60,7 +60,7 @@ class CompletionService:
             return reply.prompt_only()
         params = self.sampling_params(req, prompts)
         generation, watcher = self.submit(http_request, engine_id, prompts, params,
-                                          req.cache_salt)
+                                          req.cache_salt, req.priority or 0)
         if req.stream:
             return StreamingResponse(reply.stream(generation, watcher),
                                      media_type="text/event-stream")
@@ -68,10 +68,11 @@ class CompletionService:
 
     def submit(self, http_request: Request, engine_id: str, prompts: list[list[int]],
                params: SamplingParams | list[SamplingParams],
-               cache_salt: str | None) -> tuple[Generation, asyncio.Task[None]]:
+               cache_salt: str | None,
+               priority: int = 0) -> tuple[Generation, asyncio.Task[None]]:
         """Queue the prompts in the engine, with a watcher that aborts them when the client
         goes away; `finish` ends both."""
-        generation = self.engine.generate(engine_id, prompts, params, cache_salt)
+        generation = self.engine.generate(engine_id, prompts, params, cache_salt, priority)
         return generation, asyncio.create_task(_cancel_on_disconnect(http_request, generation))
 
     def check_model(self, model: str | None) -> None:

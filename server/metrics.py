@@ -5,8 +5,10 @@ Each app owns a CollectorRegistry: several apps in one process (tests) never col
 Two feeds update it:
   * `observe_request` and `observe_output` (event loop) for every request admitted and every
     RequestOutput delivered: token counters, and the per-request histograms;
-  * `observe_stats` (engine thread) after every engine iteration: gauges, and the engine's
-    cumulative counters turned into Prometheus increments.
+  * `observe_stats` (engine thread) after every engine iteration: gauges, the tokens that
+    iteration scheduled, and the engine's cumulative counters turned into Prometheus
+    increments.
+`vllm:cache_config_info` is set once, from the config the engine started with.
 prometheus-client is thread-safe, so the two feeds need no lock of their own.
 
 With several API servers (server/api_servers.py) each process writes its values to
@@ -24,6 +26,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, H
                                PlatformCollector, ProcessCollector, generate_latest)
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from engine.core.config import CacheConfig
 from engine.core.messages import ENGINE_COUNTERS, EngineStats, SpecCounts
 from engine.core.request import SamplingParams
 from engine.output.outputs import RequestMetrics, RequestOutput
@@ -36,6 +39,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 N_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's for request_params_n
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
@@ -50,11 +54,27 @@ def one_two_five_buckets(maximum: int) -> list[int]:
         scale *= 10
 
 
+def cache_config_labels(cache: CacheConfig, num_gpu_blocks: int) -> dict[str, str]:
+    """vllm:cache_config_info's labels: every cache setting as text (str(), as vLLM writes
+    them), under vLLM's names where it has the setting; `num_gpu_blocks` is the pool the
+    engine sized (on CPU too, as in vLLM). The KV cache is kept in the model's dtype: vLLM's
+    cache_dtype "auto". `engine` is vLLM's engine index: one engine core here."""
+    return {"block_size": str(cache.block_size), "cache_dtype": "auto",
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            "num_gpu_blocks": str(num_gpu_blocks),
+            "num_gpu_blocks_override": str(cache.num_kv_blocks),
+            "cpu_kv_cache_bytes": str(cache.cpu_kv_cache_bytes), "engine": "0"}
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int,
-                 counts_engine_totals: bool = True) -> None:
-        """`counts_engine_totals`: this process exports the engine's cumulative counters
-        (False on all API servers but one)."""
+                 counts_engine_totals: bool = True,
+                 cache_config_info: dict[str, str] | None = None) -> None:
+        """`counts_engine_totals`: this process exports the engine's cumulative counters and
+        per-iteration tokens (False on all API servers but one, which see the same steps).
+        `cache_config_info`: vllm:cache_config_info's labels (cache_config_labels); None
+        leaves that family out."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.counts_engine_totals = counts_engine_totals
@@ -92,6 +112,13 @@ class ServerMetrics:
                                        ["model_name", "finished_reason"], registry=self.registry)
         self.engine_counters = {name: self._counter(name, name.replace("_", " "))
                                 for name in ENGINE_COUNTERS}
+        self.iteration_tokens = self._histogram("iteration_tokens_total",
+                                                "Histogram of number of tokens per engine_step.",
+                                                ITERATION_TOKENS_BUCKETS)
+        if cache_config_info is not None:
+            Gauge(PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                  list(cache_config_info), registry=self.registry,
+                  multiprocess_mode="mostrecent").labels(**cache_config_info).set(1)
         self.spec: SpecMetrics | None = None  # registered once the engine reports speculating
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)  # process_*, python_* as vLLM exports them
@@ -153,12 +180,15 @@ class ServerMetrics:
             self.inference_time.observe(done - scheduled)
 
     def observe_stats(self, stats: EngineStats) -> None:
-        """Gauges from the engine's snapshot; its cumulative counts become increments."""
+        """Gauges from the engine's snapshot; its cumulative counts become increments; the
+        tokens of the step it scheduled (if any) join the histogram. Called once per step."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         if not self.counts_engine_totals:
             return
+        if stats.num_scheduled_tokens:
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
         for name in ENGINE_COUNTERS:
             total = getattr(stats, name)
             self.engine_counters[name].inc(max(0, total - self._engine_totals[name]))

@@ -48,6 +48,7 @@ class Limits:
     max_model_len: int
     max_n: int = 16
     max_prompts: int = 2048  # prompts per request, as OpenAI allows
+    priority_scheduling: bool = False  # the engine's policy is priority: `priority` works
 
 
 Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
@@ -92,6 +93,8 @@ class CompletionRequest(_Strict):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = False
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # per-tenant prefix cache
+    # lower is scheduled first; other than 0 only under --scheduling-policy priority
+    priority: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     add_special_tokens: StrictBool | None = True  # GPT-2 adds none: both values are the same
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
@@ -168,7 +171,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_logprobs": ((), "prompt logprobs are not implemented"),
     "allowed_token_ids": (([],), "allowed_token_ids is not implemented"),
     "bad_words": (([],), "bad_words is not implemented"),
-    "priority": ((0,), "priority scheduling is not implemented (the policy is FCFS)"),
     "logits_processors": (([],), "custom logits processors are not supported"),
     # GPT-2's one special token, <|endoftext|>, is left out of the text (vLLM's default,
     # skip_special_tokens=True); spacing between specials is then moot
@@ -224,10 +226,19 @@ def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
     request = parse_model(CompletionRequest, body)
     check_field_support(body, CompletionRequest)
     _check_cross_fields(request, limits)
+    check_priority(request.priority, limits)
     parse_prompt(request.prompt, limits)
     _check_stop(request, limits.vocab_size)
     parse_logit_bias(request.logit_bias, limits.vocab_size)
     return request
+
+
+def check_priority(priority: int | None, limits: Limits) -> None:
+    """vLLM's rule: a priority other than 0 (or null) needs the priority scheduling policy."""
+    if priority and not limits.priority_scheduling:
+        raise RequestError("priority is not supported by this server: its scheduling policy "
+                           "is fcfs (start it with --scheduling-policy priority)",
+                           param="priority", code="unsupported_field")
 
 
 def _check_cross_fields(req: CompletionRequest, limits: Limits) -> None:

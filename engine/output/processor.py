@@ -96,10 +96,11 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             params: SamplingParams, arrival_time: float, *,
-            cache_salt: str | None = None) -> list[CoreRequest]:
+            cache_salt: str | None = None, priority: int = 0) -> list[CoreRequest]:
         """Track a request; returns its n sequences for the core. Choices of a seeded request
         get distinct, still reproducible, seeds. A cache_salt (the tenant's, e.g. per API key)
-        lets the request hit only prefix-cache blocks of requests with the same salt."""
+        lets the request hit only prefix-cache blocks of requests with the same salt; the
+        priority orders it under the priority scheduling policy (lower first)."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         group = _Group(request_id, prompt, prompt_token_ids, [])
@@ -109,7 +110,7 @@ class OutputProcessor:
             seq_id = f"{request_id}#{i}"
             group.choices.append(_Choice(i, seq_id, seq_params, self.tokenizer, arrival_time))
             sequences.append(CoreRequest(seq_id, list(prompt_token_ids), seq_params,
-                                         arrival_time, cache_salt))
+                                         arrival_time, cache_salt, priority))
         self._groups[request_id] = group
         for choice in group.choices:
             self._choice_of[choice.seq_id] = (group, choice)
