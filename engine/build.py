@@ -63,12 +63,19 @@ def build_engine_core(config: EngineConfig, runner=None,
 
 def _measured_step_times(config: EngineConfig, runner) -> StepTimes | None:
     spec = config.speculative
-    if spec is None or not spec.adaptive or runner.device.type != "cuda":
+    if spec is None:
         return None
+    if not spec.adaptive or runner.device.type != "cuda":
+        log.info("speculation: every step drafts %d tokens (%s)", spec.num_speculative_tokens,
+                 "adaptive is false" if not spec.adaptive else "no switch-off off CUDA")
+        return None
+    from engine.speculative.switch import verdict
     from engine.speculative.timing import measure_step_times
 
     start = time.perf_counter()
     times = measure_step_times(runner, spec, config.scheduler)
     log.info("speculation cost model measured in %.1f s: %s", time.perf_counter() - start,
              times)
+    log.info("%s (the switch-off turns it on and off by the acceptance it observes; "
+             "speculative_config adaptive=false drafts every step)", verdict(times))
     return times

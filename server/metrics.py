@@ -218,12 +218,19 @@ class SpecMetrics:
         self.counters = {name: Counter(f"{PREFIX}spec_decode_{name}", name.replace("_", " "),
                                        ["model_name"], registry=registry)
                          for name in SPEC_COUNTERS}
+        # ours, not vLLM's: the draft length the switch-off chose for the latest step
+        self.draft_length = Gauge("gpt2serve:spec_decode_draft_length",
+                                  "Tokens drafted per sequence in the latest step (0: the "
+                                  "speculation switch-off turned it off)", ["model_name"],
+                                  registry=registry, multiprocess_mode="mostrecent"
+                                  ).labels(model_name)
         self.per_pos = Counter(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
                                "Steps whose draft at this position was accepted",
                                ["model_name", "position"], registry=registry)
         self.totals = SpecCounts(0, 0, 0, [])
 
     def observe(self, counts: SpecCounts) -> None:
+        self.draft_length.set(counts.draft_length)
         for name in SPEC_COUNTERS:
             new = getattr(counts, name) - getattr(self.totals, name)
             self.counters[name].labels(self.model_name).inc(max(0, new))

@@ -10,12 +10,11 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence
 from engine.core.config import EngineConfig
-from engine.worker.cuda_graphs import (MIN_MIXED_TOKENS, DecodeGraphs, DecodeStager,
+from engine.worker.cuda_graphs import (MIN_MIXED_TOKENS, DecodeGraphs, DecodeStager, GraphPlan,
                                        MixedGraphs, MixedStager, capture_sizes,
                                        decode_meta_layout, mixed_capture_sizes, mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 from engine.speculative.draft_model.chain_graphs import ChainPlan, DraftChainGraphs
-from engine.worker.device import graph_row_counts
 from engine.worker.inputs import prepare_host_inputs
 from fakes import ScriptedProposer, drafts_at_rate
 
@@ -32,9 +31,9 @@ def test_the_linear_table_covers_every_graphs_rows():
     no decode graph has that many rows."""
     config = EngineConfig.from_flat(max_num_seqs=1, max_num_batched_tokens=64)
     assert MIN_MIXED_TOKENS == 4
-    assert graph_row_counts(config) == [1, 2, 4, 8, 16, 32, 64]
+    assert GraphPlan.of(config).linear_row_counts() == [1, 2, 4, 8, 16, 32, 64]
     eager_mixed = EngineConfig.from_flat(max_num_seqs=4, mixed_step_graphs=False)
-    assert graph_row_counts(eager_mixed) == [1, 2, 4, 8]
+    assert GraphPlan.of(eager_mixed).linear_row_counts() == [1, 2, 4, 8]
     assert capture_sizes(30)[-1] == 30
 
 
@@ -174,9 +173,9 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                   attention_backend="torch", async_scheduling=async_scheduling)
         runner = llm.engine.runner
         if with_graphs:
-            decode = DecodeGraphs(runner.model, runner.kv_caches, 4, runner.max_blocks_per_seq,
+            decode = DecodeGraphs(runner.model, runner.kv_caches, capture_sizes(4), runner.max_blocks_per_seq,
                                   runner.block_size, 1024, torch.device("cpu"))
-            mixed = MixedGraphs(runner.model, runner.kv_caches, 24, 4,
+            mixed = MixedGraphs(runner.model, runner.kv_caches, mixed_capture_sizes(24), 4,
                                 runner.max_blocks_per_seq, 1024, torch.device("cpu"))
             replay_eagerly(decode)
             replay_eagerly(mixed)
@@ -331,15 +330,15 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
         runner = llm.engine.runner
         if speculative:
             follower = runner.speculation.follower
-            mixed = MixedGraphs(runner.model, runner.kv_caches, 24, 4,
+            mixed = MixedGraphs(runner.model, runner.kv_caches, mixed_capture_sizes(24), 4,
                                 runner.max_blocks_per_seq, 1024, torch.device("cpu"),
-                                runner.max_sample_rows, follower)
+                                runner.graph_plan.max_sample_rows, follower)
             replay_eagerly(mixed)
             runner.mixed_graphs = mixed
         if speculative and method == "draft_model":
             draft = runner.speculation.drafter.runner
             chain = runner.speculation.drafter.chain = DraftChainGraphs(
-                draft.model, draft.kv_caches, 4, draft.max_blocks_per_seq, draft.block_size,
+                draft.model, draft.kv_caches, capture_sizes(4), draft.max_blocks_per_seq, draft.block_size,
                 1024, torch.device("cpu"), 3)
             replay_eagerly(chain)
         if speculative and method == "ngram":

@@ -9,6 +9,7 @@ import torch
 from engine.core.batch import ScheduledSequence
 from engine.core.request import SamplingParams
 from engine.speculative.draft_model.chain_graphs import DraftChainGraphs, greedy_chain
+from engine.worker.cuda_graphs import capture_sizes
 from engine.worker.inputs import prepare_host_inputs, to_device
 from engine.speculative.verify import NO_TOKEN
 from test_cuda_graphs import replay_eagerly
@@ -64,7 +65,8 @@ def test_chain_graph_staging_gives_the_eager_chain(tiny_checkpoint, monkeypatch)
     eagerly as on CPU they must be: as many as the most drafts (3 of the 4 captured)."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
     runner = make_llm(tiny_checkpoint, block_size=8).engine.runner
-    chain = DraftChainGraphs(runner.model, runner.kv_caches, 4, runner.max_blocks_per_seq,
+    chain = DraftChainGraphs(runner.model, runner.kv_caches, capture_sizes(4),
+                             runner.max_blocks_per_seq,
                              runner.block_size, 1024, runner.device, 4)
     replay_eagerly(chain)
     with torch.inference_mode():
@@ -85,7 +87,8 @@ def test_a_catch_up_writes_the_kv_of_the_last_runs_last_draft(tiny_checkpoint, m
     step = to_device(prepare_host_inputs(rows, 8, reference.max_blocks_per_seq),
                      reference.device)
     runner = make_llm(tiny_checkpoint, block_size=8).engine.runner
-    chain = DraftChainGraphs(runner.model, runner.kv_caches, 4, runner.max_blocks_per_seq, 8,
+    chain = DraftChainGraphs(runner.model, runner.kv_caches, capture_sizes(4),
+                             runner.max_blocks_per_seq, 8,
                              1024, runner.device, 3)
     replay_eagerly(chain)
     with torch.inference_mode():

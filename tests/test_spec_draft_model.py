@@ -13,6 +13,7 @@ import pytest
 from engine import SamplingParams
 from engine.core.config import ConfigError
 from engine.speculative.draft_model.chain_graphs import DraftChainGraphs
+from engine.worker.cuda_graphs import capture_sizes
 from engine.worker.models.random_checkpoint import make_checkpoint
 from server_harness import ServerProcess, metric
 from test_cli import serve
@@ -199,7 +200,8 @@ def test_the_draft_has_kv_wherever_the_target_has(tiny_checkpoint, monkeypatch, 
     if chain != "eager":
         monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
         drafter.chain = DraftChainGraphs(
-            draft_runner.model, draft_runner.kv_caches, 4, draft_runner.max_blocks_per_seq,
+            draft_runner.model, draft_runner.kv_caches, capture_sizes(4),
+            draft_runner.max_blocks_per_seq,
             draft_runner.block_size, 1024, draft_runner.device, K)
         replay_eagerly(drafter.chain)
     if chain == "graphs":

@@ -24,6 +24,8 @@ def test_metrics_export_the_spec_decode_counters(tiny_checkpoint, tmp_path):
         assert 0 < accepted <= draft_tokens <= 3 * metric(server.url, name + "num_drafts_total")
         first = metric(server.url, name + "num_accepted_tokens_per_pos_total", position="0")
         assert 0 < first <= accepted
+        assert metric(server.url, "gpt2serve:spec_decode_draft_length") == 3  # no switch-off
         assert wait_for(lambda: "spec acceptance rate" in server.log(), timeout=5)
+        assert "speculation: every step drafts 3 tokens (no switch-off off CUDA)" in server.log()
     finally:
         server.stop()

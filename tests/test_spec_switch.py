@@ -3,7 +3,8 @@ import random
 
 import pytest
 
-from engine.speculative.switch import AcceptanceEstimate, SpeculationSwitch, StepTimes, expected_tokens
+from engine.speculative.switch import (AcceptanceEstimate, SpeculationSwitch, StepTimes,
+                                       expected_tokens, verdict)
 
 BATCHES = (1, 4, 8, 16, 32, 128)
 
@@ -111,3 +112,41 @@ def test_a_switched_off_speculator_probes_now_and_then_and_relearns():
     for _ in range(50):
         switch.observe(2, 2)  # the probes' drafts are accepted: the workload changed
     assert switch.choose(1) > 0 and switch.k > 0
+
+
+def test_the_verdict_names_the_acceptance_each_batch_needs():
+    """Weight-bound at batch 1 (drafts nearly free: a little acceptance pays), compute-bound
+    at 128 (verifying k + 1 tokens a row costs k + 1 steps: nothing pays)."""
+    line = verdict(TIMES)
+    assert line.startswith("speculation pays at batch 1: acceptance >= 0.")
+    assert line.endswith("batch 128: never")
+    one = float(line.split("batch 1: acceptance >= ")[1].split(";")[0])
+    assert 0 < one <= 0.2
+    assert all(expected_tokens(one, k) / TIMES.speculative[k][0] > PLAIN[0] ** -1 * 1.05
+               for k in (2,))  # at that rate, k = 2 beats plain decoding by the margin
+
+
+def test_speculation_can_be_told_to_run_every_step(monkeypatch, caplog):
+    """adaptive false: no step times are measured, even on CUDA, so the speculator has no
+    switch and every step drafts k."""
+    from types import SimpleNamespace
+
+    from engine import build
+    from engine.core.config import EngineConfig
+
+    config = EngineConfig.from_flat(speculative_config={"method": "ngram",
+                                                        "num_speculative_tokens": 3,
+                                                        "adaptive": False})
+    cuda_runner = SimpleNamespace(device=SimpleNamespace(type="cuda"), num_kv_blocks=64)
+    with caplog.at_level("INFO", logger="engine.build"):
+        assert build._measured_step_times(config, cuda_runner) is None
+    assert "every step drafts 3 tokens (adaptive is false)" in caplog.text
+    core = build.build_engine_core(config, cuda_runner)
+    assert core.speculator.switch is None and core.speculator.begin_step(256) == 3
+    monkeypatch.setattr("engine.speculative.timing.measure_step_times",
+                        lambda *args: TIMES)
+    adaptive = EngineConfig.from_flat(speculative_config={"method": "ngram",
+                                                          "num_speculative_tokens": 3})
+    with caplog.at_level("INFO", logger="engine.build"):
+        assert build._measured_step_times(adaptive, cuda_runner) is TIMES
+    assert "speculation pays at batch 1: acceptance >= " in caplog.text

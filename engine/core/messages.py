@@ -47,6 +47,7 @@ class SpecCounts(msgspec.Struct, array_like=True, gc=False):
     num_draft_tokens: int
     num_accepted_tokens: int
     num_accepted_tokens_per_pos: list[int]
+    draft_length: int = 0  # k of the step just scheduled (0: it does not speculate)
 
 
 # EngineStats' cumulative counts that vLLM exports as counters (`vllm:` + name)

@@ -64,7 +64,7 @@ class Speculator:
     def counts(self) -> SpecCounts:
         stats = self.stats
         return SpecCounts(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                          list(stats.num_accepted_tokens_per_pos))
+                          list(stats.num_accepted_tokens_per_pos), self.k)
 
 
 def build_speculator(config: EngineConfig, times: StepTimes | None) -> Speculator | None:

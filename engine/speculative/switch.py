@@ -55,13 +55,30 @@ class StepTimes:
         return series[i - 1] + weight * (series[i] - series[i - 1])
 
 
+def verdict(times: StepTimes, hysteresis: float = 0.05) -> str:
+    """One line for the startup log: at each measured batch size, the lowest acceptance rate
+    at which speculating beats plain decoding by the switch's margin."""
+    grid = [i / 20 for i in range(21)]
+
+    def threshold(batch: int) -> float | None:
+        plain = 1.0 / times.at(times.plain, batch)
+        return next((a for a in grid if max(expected_tokens(a, k) / times.at(s, batch)
+                                            for k, s in times.speculative.items())
+                     > plain * (1 + hysteresis)), None)
+
+    parts = []
+    for batch in times.batch_sizes:
+        a = threshold(batch)
+        parts.append(f"batch {batch}: " + ("never" if a is None else f"acceptance >= {a:.2f}"))
+    return "speculation pays at " + "; ".join(parts)
+
+
 class AcceptanceEstimate:
     """a from verified rows. A row that accepted n of d drafts had n + (n < d) of them judged
     (a rejection ends the run), so a = accepted / judged, both sums decaying per row so that
     a change of workload shows within a few hundred rows. Starts at a prior worth
     `prior_weight` judged drafts: light, as every step a wrong prior keeps speculation on
-    costs a verification step (10 judged drafts kept a gpt2-xl stream whose drafts all
-    failed speculating for ~23 steps, 0.90x over 64 tokens on an H100; 4 drafts: ~10)."""
+    costs a verification step."""
 
     def __init__(self, prior: float = 0.5, prior_weight: float = 4.0,
                  decay: float = 0.995) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.config import EngineConfig
-from engine.worker.cuda_graphs import capture_sizes, mixed_capture_sizes
+from engine.worker.cuda_graphs import GraphPlan
 from engine.worker.layers import TORCH_OPS, LinearShape, Ops
 from engine.worker.startup import StartupCache
 
@@ -48,16 +48,5 @@ def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig
 
     if config.model.enforce_eager:
         return triton_ops(), None
-    return measured_triton_ops(linear_shapes, graph_row_counts(config), dtype, device, cache)
-
-
-def graph_row_counts(config: EngineConfig) -> list[int]:
-    """The row counts that graphs run the linears at: the decode graphs' batch sizes, twice
-    each (a draft model's catching-up iteration, two tokens a sequence), and the mixed-step
-    graphs' token counts (a one-stream speculative verification runs in the smallest).
-    The skinny table measures those up to its largest M."""
-    decode_sizes = capture_sizes(config.scheduler.max_num_seqs)
-    sizes = {*decode_sizes, *(2 * size for size in decode_sizes)}
-    if config.model.mixed_step_graphs:
-        sizes.update(mixed_capture_sizes(config.scheduler.max_num_batched_tokens))
-    return sorted(sizes)
+    return measured_triton_ops(linear_shapes, GraphPlan.of(config).linear_row_counts(), dtype,
+                               device, cache)

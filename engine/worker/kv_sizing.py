@@ -23,7 +23,6 @@ import torch
 from engine.core.batch import ScheduledSequence, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.core.request import SamplingParams
-from engine.worker.cuda_graphs import capture_sizes, mixed_capture_sizes
 from engine.worker.models.gpt2 import GPT2Config
 from engine.worker.startup import device_key, source_hash
 
@@ -105,11 +104,7 @@ class KVSizing:
         runner = self.runner
         if not runner.uses_graphs:
             return 0
-        sched = self.config.scheduler
-        rows = sum(capture_sizes(sched.max_num_seqs))
-        if self.config.model.mixed_step_graphs:
-            rows += sum(min(size, runner.max_sample_rows)
-                        for size in mixed_capture_sizes(sched.max_num_batched_tokens))
+        rows = runner.graph_plan.logits_rows()
         logits_row = runner.model.config.padded_vocab_size * runner.dtype.itemsize
         return rows * logits_row + step_bytes + GRAPH_MARGIN
 

@@ -18,7 +18,7 @@ import torch
 from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.worker.attention import get_attention_backend
-from engine.worker.cuda_graphs import DecodeGraphs, MixedGraphs
+from engine.worker.cuda_graphs import DecodeGraphs, GraphPlan, MixedGraphs
 from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
 from engine.worker.inputs import is_decode_step, prepare_host_inputs, take_placeholders, to_device
 from engine.worker.kv_sizing import kv_block_bytes
@@ -58,10 +58,9 @@ class ModelRunner:
         log.info("loaded %s (%s, %s, %s attention) with its kernels in %.1f s", model_dir,
                  self.device, self.dtype, self.attention_backend, time.perf_counter() - start)
         self.block_size = config.cache.block_size
-        # a step with drafts samples at each draft too: up to k + 1 logits rows a sequence
         spec = config.speculative
         self.max_drafts = spec.num_speculative_tokens if spec else 0
-        self.max_sample_rows = config.scheduler.max_num_seqs * (self.max_drafts + 1)
+        self.graph_plan = GraphPlan.of(config)
         self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
         self.num_kv_blocks = 0
         self.kv_caches: list[KVCache] = []
@@ -87,15 +86,15 @@ class ModelRunner:
         """Mixed-step graphs (the larger) first, then decode graphs, in one memory pool;
         each graph runs the speculation's follower over the step's inputs too, if it has
         one."""
-        sched, start, pool = self.config.scheduler, time.perf_counter(), None
+        sched, plan, start, pool = self.config.scheduler, self.graph_plan, time.perf_counter(), None
         follower = self.speculation.follower
-        if self.config.model.mixed_step_graphs:
-            self.mixed_graphs = MixedGraphs(self.model, self.kv_caches,
-                                            sched.max_num_batched_tokens, sched.max_num_seqs,
-                                            self.max_blocks_per_seq, sched.max_model_len,
-                                            self.device, self.max_sample_rows, follower)
+        if plan.mixed_sizes:
+            self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, plan.mixed_sizes,
+                                            sched.max_num_seqs, self.max_blocks_per_seq,
+                                            sched.max_model_len, self.device,
+                                            plan.max_sample_rows, follower)
             pool = self.mixed_graphs.capture()
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, sched.max_num_seqs,
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, plan.decode_sizes,
                                           self.max_blocks_per_seq, self.block_size,
                                           sched.max_model_len, self.device, follower)
         self.decode_graphs.capture(pool)

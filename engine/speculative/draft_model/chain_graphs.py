@@ -122,12 +122,12 @@ class DraftChainGraphs(OneTokenGraphs):
     When some row catches up, catching_up_graphs[size] (first_iteration_catching_up) takes
     the first iteration's place."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
+    def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: tuple[int, ...],
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
                  device: torch.device, iterations: int,
                  start_op: Callable[..., None] = chain_start):
         """start_op: the ahead run's start (`chain_start` or its kernel, `chain_start_op`)."""
-        super().__init__(model, kv_caches, max_num_seqs, max_model_len, device,
+        super().__init__(model, kv_caches, sizes, max_model_len, device,
                          lambda rows: chain_meta_layout(rows, max_blocks_per_seq),
                          lambda tokens, meta: DraftChainStager(tokens, meta, block_size))
         self.iterations, self.block_size, self.start_op = iterations, block_size, start_op

@@ -62,7 +62,7 @@ class Drafter:
 
     def _capture_chain(self, max_drafts: int) -> DraftChainGraphs:
         runner, sched, start = self.runner, self.runner.config.scheduler, time.perf_counter()
-        chain = DraftChainGraphs(runner.model, runner.kv_caches, sched.max_num_seqs,
+        chain = DraftChainGraphs(runner.model, runner.kv_caches, runner.graph_plan.decode_sizes,
                                  runner.max_blocks_per_seq, runner.block_size,
                                  sched.max_model_len, runner.device, max_drafts,
                                  chain_start_op(runner.attention_backend))

@@ -2,7 +2,8 @@
 once per padded size and replayed, so a step costs one graph launch instead of ~10 kernel
 launches per layer from Python.
 
-Two sets share one memory pool, each beside the stager that writes its inputs:
+Two sets share one memory pool, each beside the stager that writes its inputs, at the
+sizes GraphPlan (plan.py) gives:
 
 * `DecodeGraphs` (decode.py): one token per sequence, per padded batch size.
 * `MixedGraphs` (mixed.py): steps with prompt tokens, per padded token count.
@@ -21,9 +22,10 @@ A graph gathers its input ids from prev_tokens | token_ids by token source: a kn
 own entry in token_ids, or a placeholder's sampled token in prev_tokens.
 """
 from engine.worker.cuda_graphs.decode import DecodeGraphs, DecodeStager, decode_meta_layout
-from engine.worker.cuda_graphs.graph_set import (MIN_MIXED_TOKENS, capture_sizes,
-                                                 mixed_capture_sizes)
 from engine.worker.cuda_graphs.mixed import MixedGraphs, MixedStager, mixed_meta_layout
+from engine.worker.cuda_graphs.plan import (MIN_MIXED_TOKENS, GraphPlan, capture_sizes,
+                                            mixed_capture_sizes)
 
-__all__ = ["MIN_MIXED_TOKENS", "DecodeGraphs", "DecodeStager", "MixedGraphs", "MixedStager",
-           "capture_sizes", "decode_meta_layout", "mixed_capture_sizes", "mixed_meta_layout"]
+__all__ = ["MIN_MIXED_TOKENS", "DecodeGraphs", "DecodeStager", "GraphPlan", "MixedGraphs",
+           "MixedStager", "capture_sizes", "decode_meta_layout", "mixed_capture_sizes",
+           "mixed_meta_layout"]

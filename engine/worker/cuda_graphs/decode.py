@@ -23,7 +23,7 @@ import torch
 from engine.core.batch import ScheduledSequence
 from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout, stage_draw_inputs
-from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, MakeStager, capture_sizes
+from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, MakeStager
 from engine.worker.sampler import DrawInputs
 
 PADDING_ROW = (0,)  # a padding row attends to position 0 of block 0 (the cache is zeroed)
@@ -35,15 +35,14 @@ def decode_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
 
 
 class OneTokenGraphs(GraphSet):
-    """A graph set whose rows hold one token each, per padded batch size (capture_sizes):
+    """A graph set whose rows hold one token each, per padded batch size (`sizes`, ascending):
     decode attention metadata over a meta buffer with `seq_lens` and `block_tables`."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
+    def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: tuple[int, ...],
                  max_model_len: int, device: torch.device,
                  meta_layout: Callable[[int], BufferLayout], make_stager: MakeStager,
                  follower: Follower | None = None):
         """meta_layout(max_batch): the set's int32 buffer."""
-        sizes = capture_sizes(max_num_seqs)
         super().__init__(model, kv_caches, sizes, meta_layout(sizes[-1]), device, make_stager,
                          follower)
         self.max_model_len = max_model_len
@@ -66,10 +65,10 @@ class OneTokenGraphs(GraphSet):
 
 
 class DecodeGraphs(OneTokenGraphs):
-    def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
+    def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: tuple[int, ...],
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
                  device: torch.device, follower: Follower | None = None):
-        super().__init__(model, kv_caches, max_num_seqs, max_model_len, device,
+        super().__init__(model, kv_caches, sizes, max_model_len, device,
                          lambda rows: decode_meta_layout(rows, max_blocks_per_seq),
                          lambda tokens, meta: DecodeStager(tokens, meta, block_size), follower)
 

@@ -1,5 +1,5 @@
-"""What the decode and mixed-step graph sets share: capture sizes, the packed device buffers
-with their pinned staging mirrors, capture and replay."""
+"""What the decode and mixed-step graph sets share: the packed device buffers with their
+pinned staging mirrors, capture and replay (their sizes: plan.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,29 +9,6 @@ import torch
 
 from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
-
-# the smallest mixed-step graph: a one-stream verification of k = 2 (3 tokens); its padding
-# costs more than the graph's rows (the linears' tiles hold 16 rows, but their fused
-# LayerNorm takes two more: M = 16 doubles the skinny GEMM's tile, M = 8 does not)
-MIN_MIXED_TOKENS = 4
-
-
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes: 1, 2, 4, 8, then steps of 8 up to max_num_seqs (always included)."""
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
-    sizes += list(range(8 if max_num_seqs > 8 else max_num_seqs, max_num_seqs, 8))
-    sizes.append(max_num_seqs)
-    return sorted(set(sizes))
-
-
-def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Mixed-step token counts: powers of two from MIN_MIXED_TOKENS, then the token budget
-    itself."""
-    sizes = [1 << p for p in range(MIN_MIXED_TOKENS.bit_length() - 1,
-                                   max_num_batched_tokens.bit_length())
-             if 1 << p < max_num_batched_tokens]
-    return sizes + [max(max_num_batched_tokens, MIN_MIXED_TOKENS)]
-
 
 # builds a stager from the named views of one pinned mirror: (tokens, meta) -> stager
 MakeStager = Callable[[SimpleNamespace, SimpleNamespace], object]

@@ -25,7 +25,7 @@ import torch
 
 from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout, stage_draw_inputs
-from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, mixed_capture_sizes
+from engine.worker.cuda_graphs.graph_set import Follower, GraphSet
 from engine.worker.inputs import HostInputs
 from engine.worker.sampler import DrawInputs
 
@@ -41,14 +41,14 @@ def mixed_meta_layout(max_seqs: int, max_blocks_per_seq: int,
 
 
 class MixedGraphs(GraphSet):
-    def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_batched_tokens: int,
+    def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: tuple[int, ...],
                  max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
                  device: torch.device, max_sample_rows: int | None = None,
                  follower: Follower | None = None):
-        """max_sample_rows: logits rows a step may sample (max_num_seqs unless drafts make
-        it more: max_num_seqs (k + 1))."""
+        """sizes: the token counts captured, ascending; max_sample_rows: logits rows a step
+        may sample (max_num_seqs unless drafts make it more: max_num_seqs (k + 1))."""
         max_sample_rows = max_sample_rows or max_num_seqs
-        super().__init__(model, kv_caches, mixed_capture_sizes(max_num_batched_tokens),
+        super().__init__(model, kv_caches, sizes,
                          mixed_meta_layout(max_num_seqs, max_blocks_per_seq, max_sample_rows),
                          device, MixedStager, follower)
         self.max_seqs = max_num_seqs
