@@ -23,12 +23,15 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import RootModel
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
+from swagger_ui_bundle import swagger_ui_path
 
 from engine.output.tokenizer import Tokenizer
 from server.async_engine import (AsyncEngine, CoreConnection, RequestFailed, server_error,
@@ -42,6 +45,7 @@ from server.protocol import (CompletionRequest, DetokenizeRequest, Limits, Reque
 
 logger = logging.getLogger("gpt2serve")
 ENGINE_STOP_TIMEOUT = 1.0  # seconds the lifespan waits for the engine loop to exit
+DOCS_ASSETS = "/docs/assets"  # Swagger UI's JS, CSS and icon (the swagger-ui-bundle package)
 
 
 @dataclass(frozen=True)
@@ -107,13 +111,15 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
     docs = settings.enable_docs
     app = FastAPI(title="gpt2-serve", version=version(), lifespan=lifespan,
                   openapi_url="/openapi.json" if docs else None,
-                  docs_url="/docs" if docs else None, redoc_url=None)
+                  docs_url=None, redoc_url=None)
     app.state.async_engine, app.state.metrics = async_engine, metrics
     app.state.begin_shutdown = functools.partial(_begin_shutdown, async_engine,
                                                   settings.shutdown_timeout)
     async_engine.on_fatal = functools.partial(_exit_server, app)
     _add_error_handlers(app)
     _add_routes(app, service, metrics, settings)
+    if docs:
+        _add_docs(app)
     app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                        allow_methods=settings.allowed_methods,
                        allow_headers=settings.allowed_headers,
@@ -121,6 +127,19 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
     if settings.api_key:  # outside CORS: its 401s are plain, preflights pass through
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app
+
+
+def _add_docs(app: FastAPI) -> None:
+    """/docs: FastAPI's Swagger UI page, its assets served from DOCS_ASSETS instead of a CDN,
+    so it works offline. Like /docs itself, they are behind --api-key."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - Swagger UI",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
 
 
 def _begin_shutdown(async_engine: AsyncEngine, timeout: float) -> None:
