@@ -8,6 +8,9 @@ of `vllm bench serve`: Poisson arrivals, streamed responses, vLLM's labelled rep
 
 Every request sets ignore_eos, so each generates exactly its output length. Each rate of a
 sweep sends prompts no other rate sent, so none hits another's prefix cache.
+
+Ctrl-C stops the run: the report (and --result-file, --plot) covers the requests finished so
+far, and the exit code is 130.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from server.bench.workload import (SEED_STRIDE, Prompt, WorkloadError, arrival_o
                                    warmup_prompt)
 
 DATASETS = ("random", "shared-prefix", "jsonl")
+INTERRUPTED_EXIT = 130  # a shell's code for a command ended by SIGINT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,17 +124,35 @@ def workload(args: argparse.Namespace, run: int) -> list[Prompt]:
     return random_prompts(args.num_prompts, args.input_len, args.output_len, seed)
 
 
+class Interrupted(Exception):
+    """Ctrl-C stopped the benchmark; `runs` are the (results, summary) reported so far."""
+
+    def __init__(self, runs: list) -> None:
+        super().__init__("interrupted")
+        self.runs = runs
+
+
 def run_rate(args: argparse.Namespace, target: client.Target, rate: float, run: int,
              percentiles: list[float], slos: dict[str, float]):
+    """Send one rate's workload and print its report: (results, summary). A Ctrl-C ends it
+    with the report of the requests finished so far, then raises Interrupted."""
     prompts = workload(args, run)
     offsets = arrival_offsets(len(prompts), rate, args.seed + run * SEED_STRIDE)
-    results, start, cpu = client.run_workers(target, prompts, offsets, args.num_workers,
-                                             args.max_concurrency, not args.disable_tqdm)
-    summary = summarize(results, start, percentiles, slos)
+    outcome = client.run_workers(target, prompts, offsets, args.num_workers,
+                                 args.max_concurrency, not args.disable_tqdm)
+    if outcome.interrupted:
+        print(f"interrupted: {len(outcome.results)} of {len(prompts)} requests finished",
+              flush=True)
+        if not outcome.results:
+            raise Interrupted([])
+    summary = summarize(outcome.results, outcome.start, percentiles, slos)
     summary["request_rate"] = str(rate)
-    summary["client_cpu_percent"] = cpu
-    print(report(summary, percentiles, cpu), flush=True)
-    return results, summary
+    summary["client_cpu_percent"] = outcome.cpu_percent
+    summary["interrupted"] = outcome.interrupted
+    print(report(summary, percentiles, outcome.cpu_percent), flush=True)
+    if outcome.interrupted:
+        raise Interrupted([(outcome.results, summary)])
+    return outcome.results, summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,17 +175,25 @@ def main(argv: list[str] | None = None) -> None:
         plots.require_matplotlib()
     if args.sweep_rates and 99.0 not in percentiles:
         percentiles.append(99.0)  # the sweep plot draws p99
+    runs: list = []
     try:
         model = args.model or asyncio.run(client.served_model(args.base_url, args.api_key))
         target = client.Target(args.base_url, model, args.api_key)
         asyncio.run(client.warm_up(target, warmup_prompt(args.seed)))
-        runs = []
         for run, rate in enumerate(rates):
             print(f"request rate {rate:g} req/s: {args.num_prompts} requests", flush=True)
             runs.append(run_rate(args, target, rate, run, percentiles, slos))
+    except Interrupted as stop:
+        runs += stop.runs
+        if runs:
+            write_outputs(args, model, rates[:len(runs)], runs, slos)
+        sys.exit(INTERRUPTED_EXIT)
+    except KeyboardInterrupt:  # before any request was sent
+        print("gpt2-bench: interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
     except (RuntimeError, WorkloadError, OSError) as exc:
         sys.exit(f"gpt2-bench: error: {exc}")
-    except (client.aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (client.aiohttp.ClientError, TimeoutError) as exc:
         sys.exit(f"gpt2-bench: error: {args.base_url}: {exc}")
     write_outputs(args, model, rates, runs, slos)
 

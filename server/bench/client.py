@@ -6,12 +6,16 @@ imported and connected, so N workers send the same Poisson schedule one would. E
 reports its own CPU time, so a run shows whether the load generator kept up. HTTP goes
 through aiohttp (its parser is C; vLLM's benchmark uses it too): on the dev CPU a streamed
 chunk cost its worker 18 us against httpx's 74 us (pure-Python h11).
+
+A Ctrl-C stops the run: the parent tells each worker to stop (workers ignore SIGINT, which a
+terminal sends to the whole process group), and each returns the requests it has finished.
 """
 from __future__ import annotations
 
 import asyncio
 import math
 import multiprocessing as mp
+import signal
 import time
 from dataclasses import dataclass
 
@@ -24,6 +28,7 @@ from server.bench.metrics import RequestResult
 from server.bench.workload import Prompt
 
 START_SLACK_S = 0.05  # between "all workers ready" and the first send
+STOP_TIMEOUT_S = 10.0  # a stopped worker answers at once; past this it is killed
 
 
 @dataclass(frozen=True)
@@ -53,8 +58,16 @@ class WorkerJob:
 
 @dataclass
 class WorkerOutcome:
-    results: list[RequestResult]
+    results: list[RequestResult | None]  # None: not finished when the run was stopped
     cpu_percent: float  # this process's CPU time over its wall time while sending
+
+
+@dataclass
+class RunOutcome:
+    results: list[RequestResult]  # in schedule order; of a stopped run, the finished ones
+    start: float  # the shared start instant
+    cpu_percent: list[float]  # each worker's CPU use, in percent of one core
+    interrupted: bool = False  # stopped by Ctrl-C before every request finished
 
 
 class _Chunk(msgspec.Struct):
@@ -97,7 +110,10 @@ async def send_one(session: aiohttp.ClientSession, model: str,
     return result
 
 
-async def _send_all(job: WorkerJob, start: float, done_counter) -> list[RequestResult]:
+async def _send_all(job: WorkerJob, start: float, done_counter,
+                    stop_fd: int) -> list[RequestResult | None]:
+    """Every request's result; once `stop_fd` turns readable (the parent's "stop"), the
+    finished ones' and None for the rest, which are cancelled."""
     limit = asyncio.Semaphore(job.max_concurrency or len(job.prompts) or 1)
     async with job.target.session() as session:
 
@@ -109,25 +125,39 @@ async def _send_all(job: WorkerJob, start: float, done_counter) -> list[RequestR
                 done_counter.value += 1
             return result
 
-        return await asyncio.gather(*(one(p, t) for p, t in zip(job.prompts, job.offsets)))
+        tasks = [asyncio.ensure_future(one(p, t)) for p, t in zip(job.prompts, job.offsets)]
+        loop, stop = asyncio.get_running_loop(), asyncio.Event()
+        loop.add_reader(stop_fd, stop.set)
+        stopped = asyncio.ensure_future(stop.wait())
+        waiting = {*tasks, stopped}
+        while len(waiting) > 1 and not stopped.done():
+            _, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        loop.remove_reader(stop_fd)
+        for task in (*tasks, stopped):
+            task.cancel()  # a finished task stays finished
+        await asyncio.gather(*tasks, stopped, return_exceptions=True)
+        return [None if task.cancelled() else task.result() for task in tasks]
 
 
 def _worker(job: WorkerJob, conn, done_counter) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the run (module doc)
     conn.send("ready")
     start = conn.recv()
     time.sleep(max(0.0, start - time.monotonic()))
     cpu0, wall0 = time.process_time(), time.monotonic()
-    results = uvloop.run(_send_all(job, start, done_counter))  # less CPU per chunk
+    # uvloop: less CPU per chunk
+    results = uvloop.run(_send_all(job, start, done_counter, conn.fileno()))
     cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
     conn.send(WorkerOutcome(results, 100.0 * cpu / max(wall, 1e-9)))
     conn.close()
 
 
 def run_workers(target: Target, prompts: list[Prompt], offsets: list[float], num_workers: int,
-                max_concurrency: int | None,
-                show_progress: bool) -> tuple[list[RequestResult], float, list[float]]:
-    """Returns every request's result (in schedule order), the shared start instant, and each
-    worker's CPU use in percent of one core. --max-concurrency is split evenly over workers."""
+                max_concurrency: int | None, show_progress: bool) -> RunOutcome:
+    """Every request's result (in schedule order), the shared start instant, and each worker's
+    CPU use in percent of one core. --max-concurrency is split evenly over workers. A Ctrl-C
+    while requests are out stops the workers: the outcome then holds the finished requests
+    only, and says it was interrupted."""
     per_worker = math.ceil(max_concurrency / num_workers) if max_concurrency else None
     ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads or event loop
     done_counter = ctx.Value("i", 0)
@@ -139,6 +169,8 @@ def run_workers(target: Target, prompts: list[Prompt], offsets: list[float], num
         proc.start()
         workers.append(proc)
         conns.append(parent_end)
+    outcomes: dict[int, WorkerOutcome] = {}
+    interrupted = False
     try:
         for w, conn in enumerate(conns):
             try:
@@ -148,20 +180,27 @@ def run_workers(target: Target, prompts: list[Prompt], offsets: list[float], num
         start = time.monotonic() + START_SLACK_S
         for conn in conns:
             conn.send(start)
-        outcomes = _collect(conns, len(prompts), done_counter, show_progress)
+        try:
+            _collect(conns, outcomes, len(prompts), done_counter, show_progress)
+        except KeyboardInterrupt:
+            interrupted = True
+            _stop(conns, outcomes)
     finally:
         for proc in workers:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
-    results: list[RequestResult] = [None] * len(prompts)  # type: ignore[list-item]
-    for w, outcome in enumerate(outcomes):
+    results: list[RequestResult | None] = [None] * len(prompts)
+    for w, outcome in outcomes.items():
         results[w::num_workers] = outcome.results
-    return results, start, [o.cpu_percent for o in outcomes]
+    finished = [r for r in results if r is not None]
+    return RunOutcome(finished, start, [outcomes[w].cpu_percent for w in sorted(outcomes)],
+                      interrupted and len(finished) < len(prompts))
 
 
-def _collect(conns, total: int, done_counter, show_progress: bool) -> list[WorkerOutcome]:
-    outcomes: dict[int, WorkerOutcome] = {}
+def _collect(conns, outcomes: dict[int, WorkerOutcome], total: int, done_counter,
+             show_progress: bool) -> None:
+    """Fill `outcomes` (worker index -> outcome) as the workers finish."""
     with tqdm(total=total, disable=not show_progress, unit="req") as bar:
         while len(outcomes) < len(conns):
             for w, conn in enumerate(conns):
@@ -171,7 +210,29 @@ def _collect(conns, total: int, done_counter, show_progress: bool) -> list[Worke
                     except EOFError:
                         raise RuntimeError(f"client worker {w} exited without results") from None
             bar.update(done_counter.value - bar.n)
-    return [outcomes[w] for w in range(len(conns))]
+
+
+def _stop(conns, outcomes: dict[int, WorkerOutcome]) -> None:
+    """Tell every worker still sending to stop, and take what each has finished (a worker
+    that does not answer within STOP_TIMEOUT_S has none). Another Ctrl-C meanwhile is
+    ignored: it must not cost the report."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for w, conn in enumerate(conns):
+            if w not in outcomes:
+                try:
+                    conn.send("stop")
+                except OSError:  # it has exited: what it sent is still in the pipe
+                    pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for w, conn in enumerate(conns):
+            if w not in outcomes and conn.poll(max(0.0, deadline - time.monotonic())):
+                try:
+                    outcomes[w] = conn.recv()
+                except EOFError:
+                    pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 async def warm_up(target: Target, prompt: list[int]) -> None:
