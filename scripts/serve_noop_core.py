@@ -7,9 +7,9 @@ its engine core, so a load test measures the API process alone (no GPU needed):
         --output-len 128 --num-workers 2
 
 The engine core process is spawned, so it runs this file first too (as __mp_main__): the swap
-below happens there as well. NOOP_STEP_MS=3 makes each step take at least 3 ms, as a GPU's
-would: streams then get a token per step, as on a GPU node, instead of the many-step batches
-an instant core sends.
+of engine.build's runner below happens there as well. NOOP_STEP_MS=3 makes each step take at
+least 3 ms, as a GPU's would: streams then get a token per step, as on a GPU node, instead of
+the many-step batches an instant core sends.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import time
 
 from bench_host import NoOpRunner
 
-from engine.worker import model_runner
+from engine import build
 from server.__main__ import main
 
 
@@ -38,6 +38,6 @@ class _NamedNoOpRunner(NoOpRunner):
 
 
 if __name__ in ("__main__", "__mp_main__"):
-    model_runner.ModelRunner = _NamedNoOpRunner
+    build.build_runner = _NamedNoOpRunner  # the engine core builds its runner through it
 if __name__ == "__main__":
     main()
