@@ -44,7 +44,7 @@ ENGINE_FLAG_HELP = {
                      "with nothing changed (kept under TRITON_CACHE_DIR/gpt2-serve)",
     "seed": "seed of requests that set none",
     "num_cpu_threads": "torch threads of the engine core on CPU; None: one per core the "
-                       "server may run on (os.sched_getaffinity)",
+                       "server may run on (os.sched_getaffinity) but one, the API server's",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (default: sized from free memory)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use, KV cache included",

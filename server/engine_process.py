@@ -14,7 +14,8 @@ receiver is up waits in the sender's queue and a send never blocks.
 Messages are msgspec Structs encoded as msgpack (engine/core/messages.py). The core process
 dies with its parent: the kernel kills it when its parent dies (PR_SET_PDEATHSIG), and its idle
 loop checks its parent each time it waits in vain. It ignores SIGINT: a Ctrl-C reaches the whole process group, and
-the server's shutdown (drain, then Shutdown) decides when the core stops.
+the server's shutdown (drain, then Shutdown) decides when the core stops. On CPU it sets
+torch's thread count itself (`set_cpu_threads`).
 """
 from __future__ import annotations
 
@@ -155,6 +156,9 @@ def _core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
     except Exception as exc:
         report.send(("error", str(exc) or type(exc).__name__))
         raise SystemExit(1) from None
+    if str(core.runner.device) == "cpu":
+        logger.info("engine core on CPU: %d torch threads",
+                    set_cpu_threads(config.model.num_cpu_threads))
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
@@ -192,6 +196,20 @@ def _core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
     for push in pushes:
         push.close(linger=1000)  # let the last StepOutput or CoreFailed go out
     pull.close(linger=0)
+
+
+def set_cpu_threads(configured: int | None) -> int:
+    """Set torch's intra-op threads for a core on CPU and return the count: `configured`
+    (--num-cpu-threads), else one per core this process may run on (os.sched_getaffinity:
+    taskset and cpusets count, os.cpu_count() would not) but one, which the API server
+    streaming the tokens needs. Threads beyond the free cores make every op's barrier wait
+    for a descheduled thread: with a busy neighbour on 2 cores, 2 threads took 3x as long per
+    token as 1 (README, "On a CPU")."""
+    import torch
+
+    threads = configured or max(1, len(os.sched_getaffinity(0)) - 1)
+    torch.set_num_threads(threads)
+    return threads
 
 
 def decode_frames(frames: list[bytes], decoder: msgspec.msgpack.Decoder,

@@ -49,7 +49,7 @@ class ModelConfig:
     startup_cache: bool = True
     seed: int = 0
     # torch threads of the server's engine core on CPU; None: one per core it may run on
-    # (os.sched_getaffinity), see server/engine_process.py
+    # (os.sched_getaffinity) but one, the API server's (server/engine_process.py)
     num_cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
