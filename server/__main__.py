@@ -25,7 +25,8 @@ from server.app import ServerSettings, create_app, version
 from server.api_servers import ApiServerOptions, listening_socket, run_api_servers
 from server.chat_template import resolve_chat_template
 from server.core_client import CoreClient
-from server.engine_process import LOG_FORMAT, EngineProcess
+from server.engine_process import EngineProcess
+from server.processes import LOG_FORMAT
 from server.http_server import HttpLimits, add_http_flags, serve_app
 from server.metrics import cache_config_labels
 

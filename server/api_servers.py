@@ -2,8 +2,8 @@
 when one process's per-token work (detokenizing, SSE, HTTP) cannot keep up with the engine.
 
     gpt2-serve (this process: binds the port, supervises)
-      ├── engine-core process        (server/engine_process.py)
-      ├── API server 0 ─┐            each: uvicorn + AsyncEngine + CoreClient(i), accepting on
+      ├── engine-core process        (server/core_main.py)
+      ├── API server 0 ─┐            each: uvicorn + EngineClient + CoreClient(i), accepting on
       ├── ...           ├─ the one listening socket, so the kernel spreads connections
       └── API server N-1┘            over them
 
@@ -33,7 +33,8 @@ from types import FrameType
 
 from server.app import ServerSettings, create_app
 from server.core_client import CoreClient
-from server.engine_process import CoreInfo, EngineProcess, die_with_parent
+from server.engine_process import CoreInfo, EngineProcess
+from server.processes import die_with_parent
 from server.http_server import STREAM_END_GRACE, HttpLimits, serve_app
 
 logger = logging.getLogger("gpt2serve")

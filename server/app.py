@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path
 
 from engine.output.tokenizer import Tokenizer
-from server.async_engine import (AsyncEngine, CoreConnection, RequestFailed, server_error,
+from server.engine_client import (EngineClient, CoreConnection, RequestFailed, server_error,
                                  shutting_down)
 from server.chat import ChatCompletionRequest, ChatService, TokenizeChatRequest
 from server.completions import CompletionService, off_loop_if_long
@@ -87,7 +87,7 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(settings.model_name, core.max_model_len,
                             counts_engine_totals=core.client_index == 0,
                             cache_config_info=settings.cache_config_info)
-    async_engine = AsyncEngine(core, tokenizer, settings.max_queued_requests,
+    engine_client = EngineClient(core, tokenizer, settings.max_queued_requests,
                                settings.watchdog_timeout, settings.watchdog_exit_timeout,
                                observe_output=metrics.observe_output,
                                observe_stats=metrics.observe_stats,
@@ -95,27 +95,27 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
     limits = Limits(tokenizer.vocab_size, core.max_model_len, settings.max_n,
                     settings.max_prompts_per_request,
                     priority_scheduling=settings.scheduling_policy == "priority")
-    service = CompletionService(async_engine, tokenizer, settings.model_name, limits)
+    service = CompletionService(engine_client, tokenizer, settings.model_name, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
-        log_task = asyncio.create_task(_log_throughput(ThroughputLog(metrics), async_engine,
+        engine_client.start()
+        log_task = asyncio.create_task(_log_throughput(ThroughputLog(metrics), engine_client,
                                                        settings.log_interval))
         try:
             yield
         finally:
             log_task.cancel()
-            await async_engine.stop(timeout=ENGINE_STOP_TIMEOUT)
+            await engine_client.stop(timeout=ENGINE_STOP_TIMEOUT)
 
     docs = settings.enable_docs
     app = FastAPI(title="gpt2-serve", version=version(), lifespan=lifespan,
                   openapi_url="/openapi.json" if docs else None,
                   docs_url=None, redoc_url=None)
-    app.state.async_engine, app.state.metrics = async_engine, metrics
-    app.state.begin_shutdown = functools.partial(_begin_shutdown, async_engine,
+    app.state.engine_client, app.state.metrics = engine_client, metrics
+    app.state.begin_shutdown = functools.partial(_begin_shutdown, engine_client,
                                                   settings.shutdown_timeout)
-    async_engine.on_fatal = functools.partial(_exit_server, app)
+    engine_client.on_fatal = functools.partial(_exit_server, app)
     _add_error_handlers(app)
     _add_routes(app, service, metrics, settings)
     if docs:
@@ -142,11 +142,11 @@ def _add_docs(app: FastAPI) -> None:
                                    swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
 
 
-def _begin_shutdown(async_engine: AsyncEngine, timeout: float) -> None:
+def _begin_shutdown(engine_client: EngineClient, timeout: float) -> None:
     """SIGTERM arrived (on the event loop): in-flight requests get `timeout` seconds, then
     whatever is still open ends with a 503 error (an SSE error event and [DONE])."""
     logger.info("shutting down: open requests get %.1f s to finish", timeout)
-    asyncio.get_running_loop().call_later(timeout, async_engine.fail_open, shutting_down)
+    asyncio.get_running_loop().call_later(timeout, engine_client.fail_open, shutting_down)
 
 
 def _exit_server(app: FastAPI) -> None:
@@ -157,19 +157,19 @@ def _exit_server(app: FastAPI) -> None:
         stop_server(1)
 
 
-async def _log_throughput(log: ThroughputLog, async_engine: AsyncEngine,
+async def _log_throughput(log: ThroughputLog, engine_client: EngineClient,
                           interval: float) -> None:
     while interval > 0:
         await asyncio.sleep(interval)
-        if async_engine.stats is not None:
-            logger.info(log.line(async_engine.stats, async_engine.num_waiting,
-                                 async_engine.silence()))
+        if engine_client.stats is not None:
+            logger.info(log.line(engine_client.stats, engine_client.num_waiting,
+                                 engine_client.silence()))
 
 
 def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics,
                 settings: ServerSettings) -> None:
     tokenizer, limits = service.tokenizer, service.limits
-    async_engine = service.engine
+    engine_client = service.engine
     chat = ChatService(service, settings.chat_template, settings.trust_request_chat_template)
 
     @app.post("/v1/completions", openapi_extra=request_body_schema(CompletionRequest))
@@ -199,7 +199,7 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        return Response(status_code=200 if async_engine.healthy else 503)
+        return Response(status_code=200 if engine_client.healthy else 503)
 
     @app.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)  # SageMaker's
     async def ping() -> Response:

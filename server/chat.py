@@ -28,7 +28,7 @@ from engine.core.batch import TokenLogprobs
 from engine.core.request import MAX_LOGPROBS
 from engine.output.outputs import CompletionOutput, RequestOutput
 from engine.output.tokenizer import Tokenizer
-from server.async_engine import Generation
+from server.engine_client import Generation
 from server.chat_template import compile_template, render_chat
 from server.completions import (CompletionService, collect_outputs, merge_deltas,
                                 off_loop_if_long, sse_event, stream_events)

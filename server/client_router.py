@@ -47,8 +47,3 @@ class ClientRouter:
                       else self._client_of.get(output.seq_id, 0))
             outputs[client].append(output)
         return [(client, StepOutput(own, message.stats)) for client, own in enumerate(outputs)]
-
-    @property
-    def num_live(self) -> int:
-        """Sequences being tracked: added, and neither finished nor aborted."""
-        return len(self._client_of)

@@ -24,7 +24,7 @@ from engine.core.request import SamplingParams
 from engine.core.scheduler import check_fits
 from engine.output.outputs import CompletionOutput, RequestOutput
 from engine.output.tokenizer import Tokenizer
-from server.async_engine import AsyncEngine, ClientDisconnected, Generation, RequestFailed
+from server.engine_client import EngineClient, ClientDisconnected, Generation, RequestFailed
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, Limits, RequestError, Usage, finite_logprob,
                              max_tokens_of, parse_completion_request, parse_prompt,
@@ -40,7 +40,7 @@ def sse_event(payload: Any) -> bytes:
 
 
 class CompletionService:
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
                  limits: Limits) -> None:
         self.engine = engine
         self.tokenizer = tokenizer

@@ -45,7 +45,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from server.engine_process import tune_gc
+from server.processes import tune_gc
 from server.protocol import RequestError
 
 logger = logging.getLogger("gpt2serve")

@@ -18,7 +18,7 @@ from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, Core
                                   EngineStats, SequenceFailed, SequenceOutput, StepOutput,
                                   ToCore)
 from server.client_router import ClientRouter
-from server.engine_process import decode_frames
+from server.core_main import decode_frames
 from server_harness import ServerProcess, metric, wait_for
 from test_server_process import core_pid, is_running
 
@@ -47,14 +47,21 @@ def test_each_api_server_gets_its_own_outputs_and_every_step():
     assert [o.seq_id for o in routed[2].outputs] == ["c#0"]
 
 
+def client_of(router: ClientRouter, seq_id: str) -> int:
+    """Where an output of seq_id goes now: its API server while the router remembers it, the
+    default (0) once forgotten."""
+    routed = router.route(StepOutput([output(seq_id)], STATS))
+    return next(client for client, message in routed if message.outputs)
+
+
 def test_finished_and_aborted_sequences_are_forgotten():
     router = ClientRouter(2)
     router.note(add(1, "a#0", "b#0", "c#0"))
     router.note(AbortSequences(["b#0"]))
     router.route(StepOutput([output("a#0", finished=True), output("c#0")], STATS))
-    assert router.num_live == 1  # c#0 only
+    assert [client_of(router, s) for s in ("a#0", "b#0", "c#0")] == [0, 0, 1]
     assert router.route(SequenceFailed("c#0", "boom")) == [(1, SequenceFailed("c#0", "boom"))]
-    assert router.num_live == 0
+    assert client_of(router, "c#0") == 0
 
 
 def test_a_core_failure_reaches_every_api_server():
@@ -73,7 +80,7 @@ def test_malformed_frames_to_the_core_are_dropped_not_fatal(caplog):
               msgspec.msgpack.encode(add(7, "b#0")),  # from an API server that does not exist
               msgspec.msgpack.encode(["AddSequences", [["c#0", [1], 5, 0.0]], 0]), good]
     assert decode_frames(frames, decoder, router) == [add(1, "a#0")]
-    assert router.num_live == 1  # a#0 only
+    assert client_of(router, "a#0") == 1 and client_of(router, "b#0") == 0
     assert caplog.text.count("dropped a malformed message") == 4
 
 

@@ -12,7 +12,7 @@ from server_harness import ROOT
 
 PROBE = """
 import os, sys, torch
-from server.engine_process import set_cpu_threads
+from server.core_main import set_cpu_threads
 os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:int(sys.argv[1])]))
 configured = None if sys.argv[2] == "-" else int(sys.argv[2])
 print(set_cpu_threads(configured), torch.get_num_threads())

@@ -12,11 +12,12 @@ import httpx
 import pytest
 
 from engine import SamplingParams
+from engine.build import build_engine_core
 from engine.core.config import load_config
 from engine.core.engine_core import EngineCore
 from engine.output.tokenizer import Tokenizer
-from server.async_engine import AsyncEngine, RequestFailed
-from server.core_thread import CoreThread
+from server.engine_client import EngineClient, RequestFailed
+from core_thread import CoreThread
 from server.protocol import RequestError
 from server_harness import ServerProcess, metric, wait_for
 
@@ -200,21 +201,21 @@ class FaultyCore:
 
 @pytest.fixture()
 def core(tiny_checkpoint):
-    return FaultyCore(EngineCore(load_config(
+    return FaultyCore(build_engine_core(load_config(
         model=str(tiny_checkpoint), device="cpu", dtype="float32", attention_backend="torch",
         num_kv_blocks=128)))
 
 
-def start_engine(core: FaultyCore, **kwargs) -> AsyncEngine:
-    """An AsyncEngine over the core in a thread (call inside the event loop)."""
-    async_engine = AsyncEngine(CoreThread(core), Tokenizer(), 16, **kwargs)
-    async_engine.start()
-    return async_engine
+def start_engine(core: FaultyCore, **kwargs) -> EngineClient:
+    """An EngineClient over the core in a thread (call inside the event loop)."""
+    engine_client = EngineClient(CoreThread(core), Tokenizer(), 16, **kwargs)
+    engine_client.start()
+    return engine_client
 
 
-async def _run(async_engine: AsyncEngine, request_id: str, prompt: list[int],
+async def _run(engine_client: EngineClient, request_id: str, prompt: list[int],
                max_tokens: int = 8) -> str:
-    generation = async_engine.generate(request_id, [prompt], SamplingParams(
+    generation = engine_client.generate(request_id, [prompt], SamplingParams(
         max_tokens=max_tokens, temperature=0, ignore_eos=True))
     try:
         outputs = [output async for ready in generation for _, output in ready]
@@ -225,13 +226,13 @@ async def _run(async_engine: AsyncEngine, request_id: str, prompt: list[int],
 
 def _results(core, coroutines_of, observe_output=lambda o, f: None):
     async def main():
-        async_engine = start_engine(core, observe_output=observe_output)
+        engine_client = start_engine(core, observe_output=observe_output)
         try:
-            results = await asyncio.gather(*coroutines_of(async_engine),
+            results = await asyncio.gather(*coroutines_of(engine_client),
                                            return_exceptions=True)
-            return results, async_engine
+            return results, engine_client
         finally:
-            await async_engine.stop(timeout=10)
+            await engine_client.stop(timeout=10)
     return asyncio.run(main())
 
 
@@ -257,47 +258,47 @@ def test_a_failing_output_handler_fails_only_that_request(core):
 def test_a_dying_core_fails_requests_zeroes_the_gauges_and_exits(core):
     async def scenario():
         gauges = []
-        async_engine = start_engine(core, observe_stats=lambda s: gauges.append(
+        engine_client = start_engine(core, observe_stats=lambda s: gauges.append(
             (s.num_running, s.num_waiting, s.kv_cache_usage)))
         lost = asyncio.Event()
-        async_engine.on_fatal = lost.set
-        pending = asyncio.create_task(_run(async_engine, "victim", [1, 2], max_tokens=500))
+        engine_client.on_fatal = lost.set
+        pending = asyncio.create_task(_run(engine_client, "victim", [1, 2], max_tokens=500))
         await asyncio.sleep(0.2)
         core.explode.set()
         with pytest.raises(RequestFailed, match="blew up"):
             await pending
-        assert not async_engine.healthy
+        assert not engine_client.healthy
         with pytest.raises(RequestError) as refused:
-            async_engine.generate("late", [[1]], SamplingParams())
+            engine_client.generate("late", [[1]], SamplingParams())
         assert refused.value.status == 503
         assert lost.is_set()  # the server exits, to be restarted
         assert gauges[-2][0] == 1 and gauges[-1] == (0, 0, 0.0)  # not left at "running 1"
-        await async_engine.stop(timeout=10)
+        await engine_client.stop(timeout=10)
     asyncio.run(scenario())
 
 
 def test_watchdog_fails_requests_of_a_wedged_core_and_stop_does_not_wait_for_it(core):
     async def scenario():
-        async_engine = start_engine(core, watchdog_timeout=0.6, watchdog_exit_timeout=60)
+        engine_client = start_engine(core, watchdog_timeout=0.6, watchdog_exit_timeout=60)
         await asyncio.sleep(1.5)
-        assert async_engine.healthy  # idle: the core still says it is alive
+        assert engine_client.healthy  # idle: the core still says it is alive
         core.unwedged.clear()
-        stuck = asyncio.create_task(_run(async_engine, "stuck", [1, 2], max_tokens=4))
+        stuck = asyncio.create_task(_run(engine_client, "stuck", [1, 2], max_tokens=4))
         with pytest.raises(RequestFailed) as failed:
             await asyncio.wait_for(stuck, timeout=2)
         assert failed.value.error.status == 503 and failed.value.error.code == "engine_hung"
-        assert not async_engine.healthy and async_engine.silence() > 0.6
+        assert not engine_client.healthy and engine_client.silence() > 0.6
         core.unwedged.set()  # it answers again: healthy, and serving
         for _ in range(100):
-            if async_engine.healthy:
+            if engine_client.healthy:
                 break
             await asyncio.sleep(0.02)
-        assert await _run(async_engine, "after", [1, 2], max_tokens=4)
+        assert await _run(engine_client, "after", [1, 2], max_tokens=4)
         core.unwedged.clear()
-        wedged = asyncio.create_task(_run(async_engine, "wedged", [3], max_tokens=4))
+        wedged = asyncio.create_task(_run(engine_client, "wedged", [3], max_tokens=4))
         await asyncio.sleep(0.1)
         start = time.monotonic()
-        await async_engine.stop(timeout=0.5)
+        await engine_client.stop(timeout=0.5)
         assert time.monotonic() - start < 1.0
         with pytest.raises(RequestFailed, match="shutting down"):
             await wedged
@@ -307,17 +308,17 @@ def test_watchdog_fails_requests_of_a_wedged_core_and_stop_does_not_wait_for_it(
 
 def test_watchdog_gives_up_on_a_core_silent_past_the_exit_timeout(core):
     async def scenario():
-        async_engine = start_engine(core, watchdog_timeout=0.6, watchdog_exit_timeout=1.2)
+        engine_client = start_engine(core, watchdog_timeout=0.6, watchdog_exit_timeout=1.2)
         lost = asyncio.Event()
-        async_engine.on_fatal = lost.set
+        engine_client.on_fatal = lost.set
         core.unwedged.clear()
-        stuck = asyncio.create_task(_run(async_engine, "stuck", [1, 2], max_tokens=4))
+        stuck = asyncio.create_task(_run(engine_client, "stuck", [1, 2], max_tokens=4))
         await asyncio.wait_for(lost.wait(), timeout=3)
         with pytest.raises(RequestFailed):
             await stuck
         with pytest.raises(RequestError) as refused:
-            async_engine.generate("late", [[1]], SamplingParams())
+            engine_client.generate("late", [[1]], SamplingParams())
         assert refused.value.status == 503
         core.unwedged.set()
-        await async_engine.stop(timeout=10)
+        await engine_client.stop(timeout=10)
     asyncio.run(scenario())

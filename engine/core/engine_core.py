@@ -132,7 +132,7 @@ def run_core_loop(core: EngineCore, receive: Callable[[float], list[ToCore]],
     the first), then steps and sends the StepOutput. With nothing to step it waits at most
     IDLE_WAIT and sends an empty StepOutput: the core speaks after every step and every
     IDLE_WAIT when idle, and its silence is what the frontends' watchdogs time
-    (server/async_engine.py).
+    (server/engine_client.py).
     Returns on Shutdown; an exception from a step ends it with CoreFailed. A malformed frame
     is the receiver's to drop: it never reaches here."""
     try:

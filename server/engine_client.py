@@ -1,7 +1,7 @@
-"""AsyncEngine: the server's side of the engine. It owns the output processor (text, stop
+"""EngineClient: the server's side of the engine. It owns the output processor (text, stop
 strings, the n choices), so per-token Python work stays off the engine core's loop, and it
 talks to the core through a `CoreConnection`: a process of its own (server/engine_process.py,
-what `gpt2-serve` runs) or a thread (server/core_thread.py, for tests).
+what `gpt2-serve` runs) or a thread (tests/core_thread.py, for tests).
 
     HTTP request ──generate()──▶ OutputProcessor.add ──AddSequences──▶ core
     Generation ◀──RequestOutputs── OutputProcessor.process ◀──StepOutput── core (one per step)
@@ -86,7 +86,7 @@ class Generation:
     (prompt_index, RequestOutput) that is ready: a consumer that falls behind catches up in
     one go instead of one output at a time."""
 
-    def __init__(self, owner: AsyncEngine, request_ids: list[str], n: int) -> None:
+    def __init__(self, owner: EngineClient, request_ids: list[str], n: int) -> None:
         self._owner = owner
         self._n = n  # sequences per engine request, each counted against the queue cap
         self._ready: Ready = []
@@ -151,7 +151,7 @@ class Generation:
             self._owner.num_waiting -= self._n
 
 
-class AsyncEngine:
+class EngineClient:
     def __init__(self, connection: CoreConnection, tokenizer: Tokenizer,
                  max_queued_requests: int, watchdog_timeout: float = 60.0,
                  watchdog_exit_timeout: float | None = None,

@@ -1,4 +1,4 @@
-"""AsyncEngine against a scripted core: steps that arrive together are applied together."""
+"""EngineClient against a scripted core: steps that arrive together are applied together."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,7 @@ from engine.core.messages import (AddSequences, EngineStats, SequenceFailed, Seq
                                   StepOutput)
 from engine.core.request import SamplingParams
 from engine.output.tokenizer import Tokenizer
-from server.async_engine import AsyncEngine, RequestFailed
+from server.engine_client import EngineClient, RequestFailed
 
 STATS = EngineStats(1, 0, 0.0, 0, 0, 0, 1, 1)
 
@@ -44,7 +44,7 @@ def run_generation(*script: str):
     `script`: "steps" (all three steps at once) or "fail-after-two"."""
     async def main():
         core = ScriptedCore()
-        engine = AsyncEngine(core, Tokenizer(), 16)
+        engine = EngineClient(core, Tokenizer(), 16)
         engine.start()
         generation = engine.generate("r", [[1, 2]], SamplingParams(max_tokens=3,
                                                                     output_kind="delta"))
