@@ -96,7 +96,7 @@ def compile_candidates(shapes: list[tuple[int, int, bool, bool]], batch_sizes: l
                        dtype: torch.dtype, device: torch.device,
                        candidates: tuple[TileConfig, ...] = TILE_CANDIDATES) -> None:
     """Compile every candidate variant that measure_skinny_wins times, up front and in a
-    thread pool: one at a time they took most of a cold start (48 of gpt2's 80 s on an H100),
+    thread pool: one at a time they take most of a cold start,
     and Triton compiles mostly outside the GIL (its native passes, LLVM, ptxas). Needs
     triton.AsyncCompileMode with ignore_errors (Triton 3.6 has it), else the variants compile
     one by one as they are timed; a variant that fails here fails again, loudly, when timed."""

@@ -64,7 +64,7 @@ from kernels.store_kv import store_kv
 
 LOG2E = 1.4426950408889634
 # Tuning knobs, module-level so scripts/bench_kernels.py --sweep can try others.
-DECODE_BLOCK_N = 32  # the sweep's best (docs/kernels.md row 4)
+DECODE_BLOCK_N = 32  # the best of scripts/bench_kernels.py --sweep
 DECODE_NUM_WARPS = 4
 DECODE_PROGRAMS_PER_SM = 4  # split until about this many programs per SM
 PREFILL_BLOCK_M = 64
@@ -73,8 +73,7 @@ PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
 # q tiles of at most 16 queries (a speculative verification): a handful of programs walk the
 # context serially, so wider key tiles and a deeper pipeline win (scripts/
-# sweep_verify_attention.py, docs/kernels.md row 22: 11.9 -> 10.0 us at context 320, 28.8 ->
-# 19.4 us at 1000, gpt2-xl's 25 heads)
+# sweep_verify_attention.py measures them)
 SHORT_Q_TILE = 16
 SHORT_Q_BLOCK_N = 128
 SHORT_Q_NUM_STAGES = 3

@@ -10,7 +10,7 @@ N+1's launch and scheduling overlap N's tail instead of following it:
     kernel N    |==== stream weights ====|tail|
     kernel N+1        (launched, resident)|wait|==== (reads N's output) ====|
 
-What it gained, and what was tried beside it: docs/kernels.md rows 18-19.
+What it gains is measured in docs/kernels.md.
 
 The contract every kernel launched with PDL keeps: **no read of another kernel's output and
 no write at all before the wait**, and every program reaches it (a program that returns

@@ -54,7 +54,7 @@ class ScheduledSequence:
 # the device) samples for this sequence, named by the sequence's prev_sample_row.
 PLACEHOLDER_TOKEN = -1
 # A draft slot the scheduler reserved for the draft model, whose guess the runner writes into
-# the step's inputs on the device (engine/worker/drafter.py); the scheduler learns the
+# the step's inputs on the device (engine/speculative/draft_model/); the scheduler learns the
 # accepted ones from RunnerOutput.accepted_drafts.
 UNFILLED_DRAFT = -2
 

@@ -1,2 +1,3 @@
-"""Speculative decoding's proposers: cheap guesses of a request's next k tokens, which the
-target model then verifies in one pass (engine/worker/spec_verify.py). Pure Python."""
+"""Speculative decoding, all of it (docs/speculative.md): proposers and the switch-off on
+the scheduler's side (pure Python), verification and the draft model on the runner's.
+The scheduler and the runner see it through one small protocol each."""

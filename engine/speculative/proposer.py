@@ -8,7 +8,7 @@ step: a speculating request is never scheduled ahead, so all its tokens are know
 
 A draft model is the one proposer that needs the device. Its scheduler-side proposer
 (`DraftSlots`) reserves the k slots only; the runner's drafter fills them in, batched over
-the step's speculating sequences, before the target verifies (engine/worker/drafter.py).
+the step's speculating sequences, before the target verifies (draft_model/drafter.py).
 Every proposer's drafts are deterministic, so q is one-hot and `accept_drawn` is exact
 rejection sampling.
 """

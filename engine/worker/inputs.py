@@ -29,7 +29,7 @@ class HostInputs:
     seq_lens: np.ndarray  # int32 [S]
     query_start_loc: np.ndarray  # int32 [S + 1]
     # int64: the last token row of each sample=True sequence, and before it one row per
-    # draft of a sequence with drafts (engine.worker.draft_rows)
+    # draft of a sequence with drafts (engine/speculative/verify.py)
     sample_indices: np.ndarray
     max_query_len: int
 

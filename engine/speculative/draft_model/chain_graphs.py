@@ -111,7 +111,7 @@ def chain_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
 
 
 # a row's catch-up, or None: its last draft's position in the last run, then that run's row
-# and column of it (engine/worker/drafter.py)
+# and column of it (drafter.py)
 CatchUp = tuple[int, int, int]
 
 

@@ -9,7 +9,7 @@ block manager stays the one owner of blocks.
                       wherever the target writes KV; a step whose every sequence verifies
                       drafts skips it (fill wrote their KV but the last draft's: _catch_ups)
     before a step     fill(): the draft's greedy iterations over the sampling sequences,
-    with drafts       chained on the device (cuda_graphs/draft_chain.py: staged once, a
+    with drafts       chained on the device (chain_graphs.py: staged once, a
                       graph per iteration on CUDA); their tokens, a device tensor, fill the
                       step's UNFILLED_DRAFT slots there (DraftModelSpeculation.plan) and are
                       judged there, so the host never waits for a draft

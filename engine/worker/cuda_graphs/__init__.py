@@ -8,7 +8,7 @@ sizes GraphPlan (plan.py) gives:
 * `DecodeGraphs` (decode.py): one token per sequence, per padded batch size.
 * `MixedGraphs` (mixed.py): steps with prompt tokens, per padded token count.
 
-A third, `DraftChainGraphs` (draft_chain.py), holds the draft model's greedy iterations (a
+A third, `DraftChainGraphs` (engine/speculative/draft_model/chain_graphs.py), holds the draft model's greedy iterations (a
 graph per iteration and padded batch size, staged once a step) in a pool of its own.
 
 Each set reads two packed device buffers with named layouts (buffers.py), copied from pinned

@@ -13,7 +13,7 @@ from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 # builds a stager from the named views of one pinned mirror: (tokens, meta) -> stager
 MakeStager = Callable[[SimpleNamespace, SimpleNamespace], object]
 # runs in every graph beside the model, over the same inputs: (input_ids, positions, meta)
-# (a draft model writing its KV, engine/worker/drafter.py)
+# (a draft model writing its KV: engine/speculative/draft_model/)
 Follower = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None]
 
 

@@ -6,7 +6,7 @@ pinned buffers:
     tokens     t0 .. t(T-1)             | T .. N-1: token 0, position 0, slot -1
     sequences  s0 .. s(S-1)             | S .. R-1: no new tokens, seq_len 0
     samples    the sampling sequences' last token rows (with drafts: their last
-               num_drafts + 1 rows, engine.worker.draft_rows) | padding: row 0, greedy
+               num_drafts + 1 rows, engine/speculative/verify.py) | padding: row 0, greedy
 
 So a speculative verification step (k + 1 tokens per decoding sequence) replays the graph of
 its padded token count like any other step with several tokens per sequence.

@@ -34,7 +34,7 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 CAUSAL_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # old HF checkpoints save these
 # The tied embedding is stored with its rows padded (zeros) to a multiple of this, so each
 # logits row the lm_head writes starts 128-byte aligned: with 50257 columns cuBLAS fell back
-# to an sm75 kernel at batch 64-256 (on an H100: 0.21 ms at batch 256, 6x the weight read).
+# to a slow sm75 kernel at batch 64-256 (6x the weight read's time).
 VOCAB_PAD = 64
 
 
