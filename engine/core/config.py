@@ -1,16 +1,8 @@
-"""One config source: frozen dataclasses, validated once at startup.
+"""One config source: frozen dataclasses (EngineConfig: model, cache, scheduler, speculative),
+validated once at startup; an invalid value raises `ConfigError` naming the field.
 
-    EngineConfig
-      ├── model:     ModelConfig       which checkpoint, dtype, device, attention backend,
-      │                                CPU threads
-      ├── cache:     CacheConfig       block size, pool size, prefix caching
-      ├── scheduler: SchedulerConfig   token budget, sequence cap, context length, policy
-      └── speculative: SpeculativeConfig | None   proposer and draft length (None: off)
-
-Presets live in `configs/*.yaml` (nested by section); `load_config(path, overrides)` merges
-command-line overrides (flat field names) on top and validates. Speculative decoding takes
-vLLM's dict instead, as the `speculative_config` override or the preset's `speculative`
-section. An invalid value raises `ConfigError` naming the field.
+`load_config(path, overrides)` reads a `configs/*.yaml` preset (nested by section) and applies
+flat command-line overrides; speculation takes vLLM's `speculative_config` dict instead.
 """
 from __future__ import annotations
 
@@ -42,14 +34,12 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda when available
     attention_backend: str = "auto"  # auto: triton on cuda, torch on cpu
     enforce_eager: bool = False  # turn CUDA graphs off
-    # also capture steps with prompt tokens (padded token counts); off: they run eagerly
+    # also capture steps with prompt tokens; off: they run eagerly
     mixed_step_graphs: bool = True
-    # keep what startup measures on the GPU (skinny-GEMM table, worst step's memory) beside
-    # Triton's cache, so a restart with nothing changed skips measuring (engine/worker/startup.py)
+    # reuse startup's GPU measurements across restarts (engine/worker/startup.py)
     startup_cache: bool = True
     seed: int = 0
-    # torch threads of the server's engine core on CPU; None: one per core it may run on
-    # (os.sched_getaffinity) but one, the API server's (server/engine_process.py)
+    # torch threads of the engine core on CPU; None: the usable cores less one (the API server's)
     num_cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -123,9 +113,8 @@ class SpeculativeConfig:
     model: str | None = None  # the draft's HF hub id or local directory (draft_model only)
     prompt_lookup_max: int | None = None  # longest n-gram matched (ngram only)
     prompt_lookup_min: int | None = None  # shortest n-gram matched (ngram only)
-    # true: on a GPU, speculate only at the batch sizes and acceptance rates where the step
-    # times measured at startup say it pays (engine/speculative/switch.py); false: every
-    # step drafts up to num_speculative_tokens
+    # true: on a GPU, speculate only where startup's step times say it pays (switch.py);
+    # false: every step drafts up to num_speculative_tokens
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -225,10 +214,9 @@ def _approx_parameters(hf: dict[str, Any]) -> int:
 
 
 def check_draft_model(target: dict[str, Any], draft: dict[str, Any]) -> None:
-    """Checks that need both models' HF config.json dicts (run when the draft is loaded):
-    a draft must speak the target's vocabulary, reach its positions and be no larger (a
-    draft as large as the target is allowed: with the same weights it accepts every token,
-    which tests use)."""
+    """Raise ConfigError unless the draft (an HF config.json dict) shares the target's
+    vocabulary, reaches its positions and is no larger (equal size is allowed: tests draft
+    with the target itself)."""
     _check(draft["vocab_size"] == target["vocab_size"], "speculative_config.model",
            f"vocab_size {draft['vocab_size']}",
            f"the draft's vocabulary must be the target's ({target['vocab_size']})")

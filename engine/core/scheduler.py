@@ -1,52 +1,25 @@
-"""Continuous (in-flight) batching with one token budget per step. Pure Python.
+"""Continuous batching with one token budget per step. Pure Python.
 
-Each step:
-  1. running requests, oldest first, get their next tokens (a decode token, or the next
-     chunk of an unfinished prompt). If the block pool runs dry, the newest running request
-     is preempted: its blocks are freed and it goes back to the front of the queue, to be
-     recomputed later from prompt + tokens generated so far (nothing lost or repeated).
-  2. waiting requests are admitted in queue order while budget, sequence slots and blocks
-     allow; each starts after its longest cached prefix.
+Each step, `schedule()`:
+  1. gives running requests, in order, their next tokens (a decode token or the next prompt
+     chunk). When blocks run out, the last running request is preempted: its blocks are freed
+     and it is requeued, to be recomputed from prompt + output so far.
+  2. admits waiting requests in queue order while budget, sequence slots and blocks allow;
+     each starts after its longest cached prefix.
 
-The queue order is the scheduling policy (SchedulerConfig.scheduling_policy, vLLM's):
-  fcfs      arrival order; a preempted request goes back to the front.
-  priority  (priority, arrival_time), lower first. The running list is kept in the same order,
-            so the running request preempted first (the last) is the one with the worst
-            (priority, arrival_time), and the best get their tokens first.
+The queue order is the scheduling policy: fcfs (arrival order; a preempted request goes back
+to the front) or priority ((priority, arrival_time), lower first). `running` is kept in the
+same order, so its last request is the one preempted first.
 
-    budget 8 tokens:  [A decode][B decode][C prompt chunk: 6 tokens]   -> one forward pass
+`update()` applies a step's sampled tokens and checks EOS, stop token ids, max_tokens and the
+context length; stop strings are finished by the engine through `finish()`.
 
-`update()` applies the runner's sampled tokens: advance num_computed_tokens, append tokens,
-check EOS / stop token ids / max_tokens / context length, free finished requests' blocks.
-Stop strings need text, so the engine (which detokenizes) finishes those via `finish()`.
-
-Steps may be scheduled ahead: step N+1 is scheduled while step N is still on the device
-(its tokens are "pending"). A request whose next token step N samples gets a
-PLACEHOLDER_TOKEN in step N+1, with the row of step N's sampled output it comes from
-(`prev_sample_row`), which the runner reads from step N's device output:
-
-    schedule N ─▶ launch N ─▶ schedule N+1 ─▶ launch N+1 ─▶ update N ─▶ ...
-                              A: [placeholder] at position p+1, from N's sample row of A
-
-A request runs ahead only when the pending token cannot end it by length and no penalty
-needs its output so far; if that token ends it (EOS, stop), step N+1's work for it is
-dropped by update (it was one token's compute, in blocks the request still owned).
-
-Speculative decoding (a `Speculator`): a decoding request whose tokens are all known gets
-drafts, scheduled as extra tokens after its last one, and the runner samples at each:
-
-    request: 20 tokens, 19 computed, drafts d1..d4   token_ids [t19, d1, d2, d3, d4]
-    runner: 2 accepted, then x                        appended: d1, d2, x  (22 tokens)
-    update: 19 + 1 + 2 computed; the blocks past the computed tokens are released (shrink)
-
-With a draft model the request's table also covers k positions past its tokens (the
-speculator's lookahead, never bought by preemption), which the draft may write before the
-next schedule: it drafts step N+1 on the device right after step N's verification.
-
-How many drafts a step accepts is known only after it, so a request that may speculate
-never runs ahead (it waits for its pending token instead), and EngineCore applies a step
-that samples for such a request (`apply_before_next`) before scheduling the next; otherwise
-the request would sit out every other step.
+Steps may be scheduled one ahead: a request whose next token step N samples gets a
+PLACEHOLDER_TOKEN in step N+1, with the row of N's samples it comes from (`prev_sample_row`).
+It runs ahead only if that token cannot end it by length, no penalty needs it, and it may not
+speculate; if the token ends it anyway, update drops step N+1's work for it. A request that
+may speculate waits instead, and `apply_before_next` tells EngineCore to apply step N before
+scheduling N+1. Drafts and the draft model's lookahead blocks: docs/speculative.md, 3, 4, 8.
 """
 from __future__ import annotations
 
@@ -135,12 +108,10 @@ def priority_key(request: Request) -> tuple[int, float]:
 
 
 class PriorityWaitingQueue:
-    """The waiting queue under the priority policy: a heap on (priority, arrival_time), with
-    WaitingQueue's interface. O(log n) push and pop; removal by id is O(1), leaving a stale
-    heap entry that pops skip (entries are matched by a serial number, so a reused request id
-    never revives one); the heap is rebuilt once stale entries outnumber live ones. A
-    preempted request goes back to its place by its key: ahead of later arrivals of its
-    priority."""
+    """The priority policy's waiting queue: a heap on (priority, arrival_time) with
+    WaitingQueue's interface. Removal by id is O(1) and leaves a stale entry that pops skip
+    (matched by serial, so a reused id never revives one); the heap is rebuilt once stale
+    entries outnumber live ones."""
 
     def __init__(self) -> None:
         self._requests: dict[str, Request] = {}
@@ -233,9 +204,8 @@ class Scheduler:
         return bool(self.requests)
 
     def check_invariants(self) -> None:
-        """Assert the queues are consistent: every request is running or waiting, never both,
-        with the matching status, and `running` is in the policy's order (its last request
-        is preempted first). Cheap enough to call after every step in tests."""
+        """Assert every request is running or waiting, never both, with the matching status,
+        and both queues are in the policy's order."""
         running_ids = [r.request_id for r in self.running]
         waiting = list(self.waiting)
         assert len(set(running_ids)) == len(running_ids), "a request runs twice"
@@ -287,18 +257,17 @@ class Scheduler:
 
     def _may_run_ahead(self, request: Request) -> bool:
         """With its next token still pending, a request runs ahead only if that token cannot
-        end it by length, nothing in this step needs its value (penalties), and it would not
-        rather wait for it and speculate."""
+        end it by length, nothing in this step needs its value (penalties, bad words), and it
+        would not rather wait for it and speculate."""
         ahead = request.num_pending_samples
         return (request.num_output_tokens + ahead < request.params.max_tokens
                 and request.num_tokens + ahead < self.config.max_model_len
-                and not request.params.needs_penalties
+                and not request.params.needs_output_tokens
                 and not (self.speculator and self.speculator.may_speculate(request)))
 
     def _schedule_running(self, budget: int, preempted: list[str]) -> int:
-        """Victims of preemption come from the tail (the newest request, or the worst by
-        priority), never from the requests before i, so none of the requests scheduled here
-        is preempted afterwards."""
+        """Victims come from the tail of `running`, never before i, so no request scheduled
+        here is preempted afterwards."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -327,8 +296,7 @@ class Scheduler:
         return budget
 
     def _with_lookahead(self, num_tokens: int) -> int:
-        """A speculating request's table covers the speculator's lookahead past its tokens
-        (within the context length), where the draft model may draft the next step ahead."""
+        """A speculating request's table covers the speculator's lookahead past its tokens."""
         return min(num_tokens + self.speculator.lookahead, self.config.max_model_len)
 
     def _drafts(self, request: Request, computed: int, num_new: int, budget: int) -> list[int]:
@@ -385,11 +353,10 @@ class Scheduler:
         block_ids = self.block_manager.block_ids(request.request_id)
         sample = end == num_tokens + request.num_pending_samples
         params = request.params
-        penalties = params.needs_penalties
-        output_ids = tuple(request.output_token_ids) if penalties else ()
-        prompt_ids = tuple(request.prompt_token_ids) if penalties else ()
+        output_ids = tuple(request.output_token_ids) if params.needs_output_tokens else ()
+        prompt_ids = tuple(request.prompt_token_ids) if params.needs_penalties else ()
         num_output = request.num_output_tokens + request.num_pending_samples
-        # positional: keyword arguments cost ~1 us more, per sequence per step
+        # positional: keywords cost more on this per-sequence hot path
         return ScheduledSequence(request.request_id, token_ids, start, block_ids, sample, params,
                                  output_ids, prompt_ids, num_output, prev_row, len(drafts))
 
@@ -433,9 +400,8 @@ class Scheduler:
 
     def _apply_verified(self, request: Request, seq: ScheduledSequence, accepted: list[int],
                         token: int, now: float) -> None:
-        """A decoding row with drafts: its last token and the accepted drafts now have KV.
-        The accepted drafts and the sampled token join the output one at a time, up to the
-        first that ends the request; the blocks past its computed tokens are released."""
+        """Append the accepted drafts and the sampled token up to the first that ends the
+        request; then release the blocks past its computed tokens (and lookahead)."""
         self.speculator.observe(seq.num_drafts, len(accepted))
         gained = len(seq.token_ids) - seq.num_drafts + len(accepted)
         request.num_computed_tokens += gained
@@ -449,8 +415,7 @@ class Scheduler:
                                   self._with_lookahead(request.num_computed_tokens))
 
     def _cache_full_blocks(self, request: Request) -> None:
-        """Offer newly filled blocks to the prefix cache. Called only when a block boundary
-        was crossed, so a decode step costs O(1), not O(sequence length)."""
+        """Offer newly filled blocks to the prefix cache; call only past a block boundary."""
         self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids,
                                              request.num_computed_tokens)
 

@@ -1,25 +1,16 @@
-"""The draft model's greedy decode iterations, chained on the device: `greedy_chain`, and
-`DraftChainGraphs`, which captures each iteration once per padded batch size, reading the
-one before it on the device, so a step's drafting is staged once and its k graphs are
-launched back to back.
+"""The draft model's greedy decode iterations, chained on the device: `greedy_chain` (eager)
+and `DraftChainGraphs` (a graph per iteration and padded batch size, each reading the one
+before it on the device). docs/speculative.md section 8 places them in a step.
 
     iteration   0          1          2          3          (k = 4; a row with 4 drafts,
     feeds       t19 @19    d1 @20     d2 @21     d3 @22      last known token t19 at 19)
     draws       d1         d2         d3         d4         iteration i + 1 feeds i's draw
     writes      KV @19     KV @20     KV @21     KV @22     the draft's, in the row's slots
 
-A row with d < k drafts repeats its last position in the later iterations without writing
-(slot -1), and its drafts after the d-th are NO_TOKEN; a row with none writes nothing. Every
-iteration's positions, slots and lengths are computed on the device before the first
-(`ChainPlan`), from the rows' positions, block tables and draft counts.
-
-After a verification step, the next step's run can be queued at once, its inputs advanced
-on the device from what the verification accepted (`run_ahead`), so the device goes from
-the verification to the next drafts without waiting for the host.
-
-One graph per iteration rather than one for the chain: a graph launch costs the host time
-in proportion to its kernels, and the device starts on the first iteration while the host
-launches the next.
+A row with d < k drafts repeats its last position in later iterations without writing (slot
+-1), and its drafts after the d-th are NO_TOKEN. `ChainPlan` computes every iteration's
+positions, slots and lengths on the device before the first. A graph per iteration, not one
+per chain: the device starts on the first while the host launches the next.
 """
 from __future__ import annotations
 
@@ -88,10 +79,9 @@ def feed_for_kv(model: torch.nn.Module, kv_caches: list, input_ids: torch.Tensor
 def greedy_chain(model: torch.nn.Module, kv_caches: list, input_ids: torch.Tensor,
                  positions: torch.Tensor, meta: AttentionMetadata, draft_counts: torch.Tensor,
                  iterations: int, draw: Draw) -> torch.Tensor:
-    """`iterations` greedy decode steps of `model` from each row's token `input_ids` at
-    `positions` (one token a row; `meta`: their block tables, query starts and longest
-    length), the row drafting draft_counts[row] tokens (see the module docstring). Returns
-    int64 [rows, iterations], NO_TOKEN past a row's count."""
+    """`iterations` greedy decode steps from one token a row (`input_ids` at `positions`),
+    row r drafting draft_counts[r] tokens. Returns int64 [rows, iterations], NO_TOKEN past a
+    row's count."""
     plan = ChainPlan.of(positions, meta.block_tables, draft_counts, iterations,
                         kv_caches[0][0].shape[1])
     columns = []
@@ -147,11 +137,9 @@ class DraftChainGraphs(OneTokenGraphs):
     def first_iteration_catching_up(self, size: int,
                                     first: tuple[ChainPlan, torch.Tensor] | None = None
                                     ) -> tuple[ChainPlan, torch.Tensor]:
-        """first_iteration, in one forward with each catching-up row's last draft of the
-        last run (read from `drafts` before this run overwrites them) fed at its position,
-        one before the row's: such a row has two tokens, the others one, packed varlen
-        (padding token rows at the end). Its plan and tokens are also copied into `first`
-        (the plain first iteration's captured outputs, which the iterations after it read)."""
+        """first_iteration, also feeding each catching-up row's last draft of the last run
+        one position before the row's (two tokens for such a row, one for others, packed
+        varlen). Copies its plan and tokens into `first`, which later iterations read."""
         m, n = self.meta, 2 * size  # n: the token rows' capacity, index n a trash entry
         own_tokens, positions, plan = self._planned_inputs(size)
         catching_up = m.catch_up_positions[:size] >= 0
@@ -183,10 +171,8 @@ class DraftChainGraphs(OneTokenGraphs):
         return plan, tokens
 
     def first_iteration_ahead(self, size: int, first: tuple[ChainPlan, torch.Tensor]) -> None:
-        """The first iteration of a run queued ahead, from the staged last run and
-        `verified` (draft_model/chain_start.py: two token rows a sequence, the token
-        before its next known one and that one), its plan and tokens written into `first`
-        (the plain first iteration's captured outputs, which the iterations after it read)."""
+        """The first iteration of a run queued ahead, from the staged last run and `verified`
+        (two token rows a sequence: chain_start.py); writes its plan and tokens into `first`."""
         plan, tokens = first
         m, device = self.meta, self.drafts.device
         inputs = [torch.empty(2 * size, dtype=torch.int64, device=device) for _ in range(3)]
@@ -205,16 +191,14 @@ class DraftChainGraphs(OneTokenGraphs):
         self.drafts[:size, 0] = plan.drafts(tokens, 0)
 
     def _planned_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, ChainPlan]:
-        """The first `size` rows' staged input ids and positions, and every iteration's
-        plan for them."""
+        """The first `size` rows' staged input ids, positions, and every iteration's plan."""
         input_ids, positions = self._inputs(size)
         plan = ChainPlan.of(positions, self.meta.block_tables[:size],
                             self.meta.draft_counts[:size], self.iterations, self.block_size)
         return input_ids, positions, plan
 
     def first_iteration(self, size: int) -> tuple[ChainPlan, torch.Tensor]:
-        """Plan every iteration of the first `size` rows, run the first: the plan and its
-        tokens."""
+        """Plan every iteration of the first `size` rows and run the first: (plan, tokens)."""
         input_ids, _, plan = self._planned_inputs(size)
         return plan, self.iteration(size, 0, plan, input_ids)
 
@@ -228,11 +212,9 @@ class DraftChainGraphs(OneTokenGraphs):
 
     @torch.inference_mode()
     def capture(self, pool=None):
-        """Each graph reads the outputs of the captured graphs before it (never those of a
-        warm-up run). Captured outputs were never computed: their memory holds whatever the
-        pool held (another size's tokens, say), so they are set to a harmless plan and token
-        0 before the next warm-up reads them. The catching-up and ahead first iterations,
-        which write the first's outputs, are captured last."""
+        """Each graph reads the captured outputs of the graphs before it. Those hold stale
+        pool memory until replayed, so they are settled (empty plan, token 0) before the next
+        warm-up reads them; the first-iteration variants, which write them, go last."""
         for size in reversed(self.sizes):
             first, pool, first_outputs = capture_graph(lambda: self.first_iteration(size), pool)
             self.graphs[size] = [first]
@@ -266,19 +248,15 @@ class DraftChainGraphs(OneTokenGraphs):
 
     def run_ahead(self, rows: list[ScheduledSequence], draft_counts: list[int],
                   num_accepted: torch.Tensor, sampled: torch.Tensor) -> None:
-        """Queue the run after `rows`' (as run() got them) behind the verification of its
-        drafts, its inputs advanced on the device from what the verification accepted
-        (`num_accepted` and the `sampled` token, per row): each row's first iteration feeds
-        the token before its next known one and that one, its sampled token, so a row that
-        accepted all its drafts writes the KV of the last (no iteration wrote it). The rows'
-        draft counts and block tables stay, so the caller checks that the next step is the
-        one drafted for, and the tables must cover each row's position + 2 x its draft count.
+        """Queue the next run of `rows` (as run() got them) behind their verification, its
+        inputs advanced on the device from `num_accepted` and `sampled` per row. Draft counts
+        and block tables stay: the caller checks the next step is the one drafted for, and
+        the tables must cover each row's position + 2 x its draft count.
 
             rows       feed t @q, d1 @q+1, ..., dk-1 @q+k-1      drew d1..dk
             verified   A drafts accepted, then s                   next known token s @q+A+1
             this run   feeds [d_A @q+A, s @q+A+1] (d_0 = t), ...   writes KV up to q+A+k
-
-        (the first iteration: first_iteration_ahead)"""
+        """
         size, width = self.size_for(len(rows)), max(draft_counts)
         self._stage(rows, draft_counts, [None] * len(rows), size)
         self.verified[0, :len(rows)] = num_accepted
