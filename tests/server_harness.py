@@ -1,4 +1,5 @@
-"""Start `python -m server` in a subprocess on a free port and read its /metrics."""
+"""Start `python -m server` in a subprocess on a free port (`ServerProcess`, or `serve` to run
+it to its exit) and read its /metrics and its engine core's pid."""
 from __future__ import annotations
 
 import os
@@ -92,3 +93,27 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def serve(*argv: str) -> subprocess.CompletedProcess:
+    """Run `python -m server` to its exit. The server binds before it loads: on a free port,
+    unless the arguments name one."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # an unknown hub id fails fast, offline
+    port = [] if "--port" in argv else ["--host", "127.0.0.1", "--port", str(free_port())]
+    return subprocess.run([sys.executable, "-m", "server", *port, *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def core_pid(server: ServerProcess) -> int:
+    """The engine core process's pid, as the server logs it at startup."""
+    return int(re.search(r"engine core: pid (\d+)", server.log()).group(1))
+
+
+def is_running(pid: int) -> bool:
+    """Whether `pid` is alive (a zombie has exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"

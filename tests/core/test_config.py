@@ -6,7 +6,7 @@ import pytest
 from engine.core.config import (ConfigError, EngineConfig, SpeculativeConfig, check_draft_model,
                                 flat_field_names, load_config)
 
-CONFIGS = Path(__file__).parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize("preset", sorted(p.name for p in CONFIGS.glob("*.yaml")))

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # the packages of the import graph; a module belongs to the longest that prefixes it
 PACKAGES = ("engine.core", "engine.output", "engine.worker", "engine.speculative", "engine",
             "server.bench", "server", "kernels")

@@ -11,6 +11,7 @@ from engine.core.request import SamplingParams
 from engine.llm import LLMEngine
 from engine.output.processor import OutputProcessor
 from engine.output.tokenizer import Tokenizer
+from fakes import PipelinedFakeRunner
 
 STATS = EngineStats(1, 0, 0.0, 0, 0, 0, 1, 1)
 
@@ -86,8 +87,6 @@ def test_steps_applied_together_give_one_output_with_all_their_deltas(tokenizer)
 def test_the_cache_salt_reaches_the_prefix_cache(tokenizer):
     """add(cache_salt=...) tags every choice's sequence, through msgpack too (the server's
     way to the core), and the core serves a prefix only to requests of the same salt."""
-    from test_engine_pipeline import PipelinedFakeRunner
-
     params = SamplingParams(n=2, max_tokens=2, output_kind="final_only")
     sequences = OutputProcessor(tokenizer).add("r", None, [1, 2], params, 0.0, cache_salt="t")
     wire = msgspec.msgpack.Decoder(ToCore).decode(

@@ -1,72 +1,19 @@
-"""Scheduler with a fake runner that keeps a real paged "KV cache".
-
-Like real K/V, the fake cache entry of position p depends on the whole prefix up to p: it is
-a rolling hash, computed from the entry of p-1 read back through the block table. So a wrong
+"""Scheduler with a fake runner that keeps a real paged "KV cache" (fakes.FakeRunner): a wrong
 block table, a block shared between different prefixes, a shared block overwritten, or a token
-lost or repeated across preemption changes the output and fails the comparison.
-"""
+lost or repeated across preemption changes the output and fails the comparison."""
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.batch import RunnerOutput, SchedulerOutput
+from engine.core.batch import RunnerOutput
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
 from engine.core.request import EOS_TOKEN_ID, Request, RequestStatus, SamplingParams
 from engine.core.scheduler import PriorityWaitingQueue, Scheduler, check_fits
+from fakes import FakeRunner, reference_output
 
-VOCAB = 97
-
-
-def kv_entry(previous: int, token: int) -> int:
-    return (previous * 1_000_003 + token + 1) % (1 << 61)
-
-
-def next_token(last_entry: int) -> int:
-    return last_entry % VOCAB
-
-
-def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
-    entry, out = 0, []
-    for token in prompt:
-        entry = kv_entry(entry, token)
-    for _ in range(max_tokens):
-        out.append(next_token(entry))
-        entry = kv_entry(entry, out[-1])
-    return out
-
-
-class FakeRunner:
-    """Writes token ids into slots (as K/V would be written), then reads each sequence's
-    context back through its block table."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.block_size = block_size
-        self.slots = [None] * (num_blocks * block_size)
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        ids, tokens = [], []
-        for seq in out.sequences:
-            entry = self._read(seq.block_ids, seq.start_position - 1)
-            for offset, token in enumerate(seq.token_ids):
-                entry = kv_entry(entry, token)
-                self.slots[self._slot(seq.block_ids, seq.start_position + offset)] = entry
-            if seq.sample:
-                ids.append(seq.request_id)
-                tokens.append(next_token(self._read(seq.block_ids, seq.seq_len - 1)))
-        return RunnerOutput(ids, tokens, [None] * len(ids))
-
-    def _read(self, block_ids: list[int], position: int) -> int:
-        if position < 0:
-            return 0
-        entry = self.slots[self._slot(block_ids, position)]
-        assert entry is not None, "read a slot nothing wrote"
-        return entry
-
-    def _slot(self, block_ids: list[int], position: int) -> int:
-        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, prefix=True, policy="fcfs"):

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import time
 
 import httpx
 import msgspec
@@ -19,8 +18,7 @@ from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, Core
                                   ToCore)
 from server.client_router import ClientRouter
 from server.core_main import decode_frames
-from server_harness import ServerProcess, metric, wait_for
-from test_server_process import core_pid, is_running
+from server_harness import ServerProcess, core_pid, is_running, metric, wait_for
 
 STATS = EngineStats(1, 0, 0.5, 0, 0, 0, 10, 20)
 

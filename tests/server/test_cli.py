@@ -2,10 +2,7 @@
 picked from the model's name."""
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,16 +11,7 @@ from engine.core.config import flat_field_names
 from server.__main__ import (ENGINE_FLAG_HELP, PRESET_DIR, build_parser,
                              engine_config_from_args, preset_for)
 from server.healthcheck import DEFAULT_PORT
-from server_harness import ROOT, free_port
-
-
-def serve(*argv: str) -> subprocess.CompletedProcess:
-    """The server binds before it loads: on a free port, unless the test names one."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # an unknown hub id fails fast, offline
-    port = [] if "--port" in argv else ["--host", "127.0.0.1", "--port", str(free_port())]
-    return subprocess.run([sys.executable, "-m", "server", *port, *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-
+from server_harness import serve
 
 STARTUP_FAILURES = [
     (["--config", "missing.yaml"], "gpt2-serve: error: --config missing.yaml: no such file"),

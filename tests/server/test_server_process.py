@@ -17,22 +17,9 @@ from engine.core.batch import TokenLogprobs
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
                                   EngineStats, FromCore, SequenceFailed, SequenceOutput,
                                   Shutdown, StepOutput, ToCore)
-from server_harness import ServerProcess, wait_for
+from server_harness import ServerProcess, core_pid, is_running, wait_for
 
 PROMPTS = ["The quick brown fox", "Hello, my name is", "1 2 3 4"]
-
-
-def core_pid(server: ServerProcess) -> int:
-    return int(re.search(r"engine core: pid (\d+)", server.log()).group(1))
-
-
-def is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
-        return stat.read().split()[2] != "Z"
 
 
 def test_every_message_survives_msgpack():

@@ -12,8 +12,8 @@ from engine.speculative.draft_model.chain_graphs import DraftChainGraphs, greedy
 from engine.worker.cuda_graphs import capture_sizes
 from engine.worker.inputs import prepare_host_inputs, to_device
 from engine.speculative.verify import NO_TOKEN
-from test_cuda_graphs import replay_eagerly
-from test_spec_engine import make_llm
+from eager_graphs import replay_eagerly
+from spec_cases import make_llm
 
 COUNTS = [3, 1, 0]  # drafts of rows 0, 1, 2
 FIRST_TOKENS = [11, 4000, 777]

@@ -15,13 +15,9 @@ from engine.core.config import ConfigError
 from engine.speculative.draft_model.chain_graphs import DraftChainGraphs
 from engine.worker.cuda_graphs import capture_sizes
 from engine.worker.models.random_checkpoint import make_checkpoint
-from server_harness import ServerProcess, metric
-from test_cli import serve
-from test_cuda_graphs import replay_eagerly
-from test_spec_engine import (EACH_SETTING, GREEDY, K, assert_all_blocks_free, make_llm,
-                              mixed_params, plain_greedy, prompts, seeded)
-
-__all__ = ["plain_greedy", "prompts", "seeded"]  # fixtures shared with test_spec_engine
+from eager_graphs import replay_eagerly
+from server_harness import ServerProcess, metric, serve
+from spec_cases import EACH_SETTING, GREEDY, K, assert_all_blocks_free, make_llm, mixed_params
 
 
 @pytest.fixture(scope="session")

@@ -2,64 +2,14 @@
 as without it, greedy (n-gram proposer) and seeded-sampled (scripted drafts), in mixed batches,
 with prefix caching, 7-token chunks, preemption and either scheduling mode; stops inside an
 accepted run; no KV kept for rejected drafts; the switch-off; the counters."""
-import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.speculative.switch import SpeculationSwitch, StepTimes
 from fakes import ScriptedProposer, drafts_at_rate
-
-K = 4
-NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
-         "prompt_lookup_min": 1}
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-# logprobs keep a request from speculating: it decodes plainly beside the others
-PLAIN_ROW = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    """Prompts that restate a passage (the n-gram proposer finds matches), and one that
-    does not."""
-    rng = random.Random(3)
-    passages = [[rng.randrange(50256) for _ in range(n)] for n in (3, 6, 9, 5)]
-    return [p * 3 for p in passages] + [[rng.randrange(50256) for _ in range(21)]]
-
-
-def make_llm(checkpoint, **overrides):
-    settings = dict(device="cpu", dtype="float32", num_kv_blocks=128,
-                    attention_backend="torch")
-    settings.update(overrides)
-    return LLM(model=str(checkpoint), **settings)
-
-
-def mixed_params(prompts):
-    return [PLAIN_ROW if i == 1 else GREEDY for i in range(len(prompts))]
-
-
-@pytest.fixture(scope="module")
-def plain_greedy(tiny_checkpoint, prompts):
-    outputs = make_llm(tiny_checkpoint).generate(prompts, mixed_params(prompts), use_tqdm=False)
-    return [o.token_ids for o in outputs]
-
-
-def assert_all_blocks_free(llm):
-    bm = llm.engine.block_manager
-    bm.check_invariants()
-    assert bm.num_free_blocks == bm.num_blocks
-
-
-# engine settings every proposer is checked under: prefix caching on and off, 7-token
-# chunks, a block pool too small for the batch (preemption), no scheduling ahead
-EACH_SETTING = pytest.mark.parametrize("overrides", [
-    {},
-    {"enable_prefix_caching": False},
-    {"max_num_batched_tokens": 7},
-    {"num_kv_blocks": 24, "block_size": 4, "max_num_batched_tokens": 32},
-    {"async_scheduling": False},
-], ids=["prefix-cache", "no-prefix-cache", "chunk-7", "preemption", "sync"])
-
+from spec_cases import (EACH_SETTING, GREEDY, K, NGRAM, assert_all_blocks_free,
+                        make_llm, mixed_params)
 
 @EACH_SETTING
 def test_ngram_speculation_changes_no_greedy_token(tiny_checkpoint, prompts, plain_greedy,
@@ -95,15 +45,6 @@ def oracle_llm(checkpoint, references, rate, **overrides):
     for i, reference in enumerate(references):
         proposer.add(f"{i}#0", drafts_at_rate(reference, rate, seed=1, vocab_size=50257))
     return llm
-
-
-@pytest.fixture(scope="module")
-def seeded(tiny_checkpoint, prompts):
-    """Seeded sampled requests (half with top-k) on three prompts, and their plain output."""
-    params = [SamplingParams(temperature=0.9, top_k=50 if i % 2 else 0, seed=10 + i,
-                             max_tokens=10, ignore_eos=True) for i in range(3)]
-    plain = make_llm(tiny_checkpoint).generate(prompts[:3], params, use_tqdm=False)
-    return params, [o.token_ids for o in plain]
 
 
 @pytest.mark.parametrize("rate", [0.0, 0.6, 1.0])

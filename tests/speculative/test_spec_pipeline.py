@@ -12,9 +12,9 @@ from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.llm import LLMEngine
-from fakes import ScriptedProposer, drafts_at_rate
-from test_engine_pipeline import CompletedStep, PipelinedFakeRunner, run_random_workload
-from test_scheduler import VOCAB, next_token
+from engine_workload import run_random_workload
+from fakes import (VOCAB, CompletedStep, PipelinedFakeRunner, ScriptedProposer, drafts_at_rate,
+                   next_token)
 
 K = 3
 

@@ -2,7 +2,6 @@
 distribution by chi-square, and seeded reproducibility."""
 import functools
 
-import pytest
 import torch
 
 from drafting import verify_one_hot as verify

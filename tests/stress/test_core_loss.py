@@ -12,9 +12,8 @@ import time
 
 import httpx
 
-from server_harness import wait_for
+from server_harness import core_pid, wait_for
 from sse_client import client, ended_with_error, open_streams
-from test_server_process import core_pid
 
 WATCHDOG = 2
 

@@ -1,7 +1,6 @@
 """CUDA graphs: capture sizes, the stagers' buffers, graph staging == eager (CPU, with eager
 replays), and graph == eager output (GPU only)."""
 import random
-from functools import partial
 
 import numpy as np
 import pytest
@@ -14,8 +13,9 @@ from engine.worker.cuda_graphs import (MIN_MIXED_TOKENS, DecodeGraphs, DecodeSta
                                        MixedGraphs, MixedStager, capture_sizes,
                                        decode_meta_layout, mixed_capture_sizes, mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
-from engine.speculative.draft_model.chain_graphs import ChainPlan, DraftChainGraphs
+from engine.speculative.draft_model.chain_graphs import DraftChainGraphs
 from engine.worker.inputs import prepare_host_inputs
+from eager_graphs import replay_eagerly
 from fakes import ScriptedProposer, drafts_at_rate
 
 
@@ -84,60 +84,6 @@ def test_draft_model_chain_graphs_equal_eager(tiny_checkpoint, draft_tokens):
     assert results[0] == results[1] == results[2]
 
 
-class _EagerReplay:
-    """Stands in for a captured graph on CPU: replay runs what it would have recorded."""
-
-    def __init__(self, record):
-        self.replay = record
-
-
-class _EagerChain:
-    """Stands in for a draft chain's graphs of one size: each iteration hands the next its
-    plan and tokens, as the captured graphs read those of the graphs before them."""
-
-    def __init__(self, chain: DraftChainGraphs, size: int):
-        self.chain, self.size = chain, size
-        self.iterations = [_EagerReplay(partial(self.run, i)) for i in range(chain.iterations)]
-        self.catching_up = _EagerReplay(self.run_catching_up)
-        self.ahead = _EagerReplay(self.run_ahead)
-
-    def run(self, i: int) -> None:
-        if i == 0:
-            self.plan, self.tokens = self.chain.first_iteration(self.size)
-        else:
-            self.tokens = self.chain.iteration(self.size, i, self.plan, self.tokens)
-
-    def run_catching_up(self) -> None:
-        self.plan, self.tokens = self.chain.first_iteration_catching_up(self.size)
-
-    def run_ahead(self) -> None:
-        """Into fresh outputs, where the graph writes the plain first iteration's."""
-        shape = (self.chain.iterations, self.size)
-        self.plan = ChainPlan(*(torch.zeros(shape, dtype=dtype) for dtype in
-                                (torch.int64, torch.int64, torch.int32, torch.bool)))
-        self.tokens = torch.zeros(self.size, dtype=torch.int64)
-        self.chain.first_iteration_ahead(self.size, (self.plan, self.tokens))
-
-
-def _refresh_outputs(graphs, size: int) -> None:
-    graphs.outputs[size] = graphs.forward(size)
-
-
-def replay_eagerly(graphs) -> None:
-    """Give a graph set on CPU eager replays, as capture would give it graphs: a draft
-    chain a replay per iteration, any other set one per size (and the follower's)."""
-    for size in graphs.sizes:
-        if isinstance(graphs, DraftChainGraphs):
-            eager = _EagerChain(graphs, size)
-            graphs.graphs[size] = eager.iterations
-            graphs.catching_up_graphs[size] = eager.catching_up
-            graphs.ahead_graphs[size] = eager.ahead
-            continue
-        graphs.graphs[size] = _EagerReplay(partial(_refresh_outputs, graphs, size))
-        if graphs.follower is not None:
-            graphs.follow_graphs[size] = _EagerReplay(partial(graphs._follow, size))
-
-
 def test_mixed_capture_sizes():
     assert mixed_capture_sizes(4096) == [4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     assert mixed_capture_sizes(100) == [4, 8, 16, 32, 64, 100]
@@ -173,8 +119,9 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                   attention_backend="torch", async_scheduling=async_scheduling)
         runner = llm.engine.runner
         if with_graphs:
-            decode = DecodeGraphs(runner.model, runner.kv_caches, capture_sizes(4), runner.max_blocks_per_seq,
-                                  runner.block_size, 1024, torch.device("cpu"))
+            decode = DecodeGraphs(runner.model, runner.kv_caches, capture_sizes(4),
+                                  runner.max_blocks_per_seq, runner.block_size, 1024,
+                                  torch.device("cpu"))
             mixed = MixedGraphs(runner.model, runner.kv_caches, mixed_capture_sizes(24), 4,
                                 runner.max_blocks_per_seq, 1024, torch.device("cpu"))
             replay_eagerly(decode)
@@ -182,8 +129,8 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
             runner.decode_graphs, runner.mixed_graphs = decode, mixed
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if with_graphs:
-            assert decode._steps_staged > 20  # decode steps went through the staging
-            assert mixed._steps_staged > 5  # and so did the steps with prompt chunks
+            assert decode.steps_staged > 20  # decode steps went through the staging
+            assert mixed.steps_staged > 5  # and so did the steps with prompt chunks
     assert results[0] == results[1]
 
 
@@ -338,8 +285,8 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
         if speculative and method == "draft_model":
             draft = runner.speculation.drafter.runner
             chain = runner.speculation.drafter.chain = DraftChainGraphs(
-                draft.model, draft.kv_caches, capture_sizes(4), draft.max_blocks_per_seq, draft.block_size,
-                1024, torch.device("cpu"), 3)
+                draft.model, draft.kv_caches, capture_sizes(4), draft.max_blocks_per_seq,
+                draft.block_size, 1024, torch.device("cpu"), 3)
             replay_eagerly(chain)
         if speculative and method == "ngram":
             proposer = llm.engine.core.speculator.proposer = ScriptedProposer()
@@ -348,6 +295,6 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert results[0] == results[1]
     assert llm.engine.core.speculator.stats.num_accepted_tokens > 0
-    assert mixed._steps_staged >= 5  # the verification steps went through the staging
+    assert mixed.steps_staged >= 5  # the verification steps went through the staging
     if method == "draft_model":  # and the draft's iterations through its chain graphs'
-        assert chain._steps_staged >= 5
+        assert chain.steps_staged >= 5

