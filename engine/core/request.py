@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 EOS_TOKEN_ID = 50256
+VOCAB_SIZE = EOS_TOKEN_ID + 1  # GPT-2's tokenizer: EOS is its last id
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("stream", "delta", "final_only")  # SamplingParams.output_kind
 
@@ -55,6 +56,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-k logprobs per generated token, up to 20
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    # None: every token; else only these may be sampled (vLLM's allowed_token_ids)
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad_words, tokenized: a word's last token is banned wherever its other tokens end
+    # the output so far (a one-token word is banned everywhere)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # "stream": an output every step with new text, cumulative fields included; "delta": the
     # same, but an unfinished choice's cumulative fields stay empty (the server: it streams
     # the deltas, and copying whole histories every step cost it a third of its CPU);
@@ -66,6 +72,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words_token_ids",
+                           tuple(tuple(word) for word in self.bad_words_token_ids))
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
         self._validate()
@@ -77,6 +87,9 @@ class SamplingParams:
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_token(v: object) -> bool:
+            return is_int(v) and 0 <= v < VOCAB_SIZE
 
         need(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
         need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
@@ -101,6 +114,11 @@ class SamplingParams:
              "must hold token ids >= 0")
         need(all(is_int(t) and math.isfinite(b) for t, b in self.logit_bias), "logit_bias",
              "must map token ids to finite numbers")
+        need(self.allowed_token_ids is None or (
+            self.allowed_token_ids and all(is_token(t) for t in self.allowed_token_ids)),
+            "allowed_token_ids", f"must be null or a non-empty list of ids in [0, {VOCAB_SIZE})")
+        need(all(word and all(is_token(t) for t in word) for word in self.bad_words_token_ids),
+             "bad_words_token_ids", f"must hold non-empty lists of ids in [0, {VOCAB_SIZE})")
         if self.seed is not None:
             need(is_int(self.seed), "seed", "must be an integer")
         need(self.output_kind in OUTPUT_KINDS, "output_kind", f"must be one of {OUTPUT_KINDS}")
@@ -109,6 +127,12 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @functools.cached_property
+    def needs_output_tokens(self) -> bool:
+        """The sampler reads the output so far (penalties, bad words): the scheduler sends it,
+        and the request neither runs ahead of its last token nor speculates."""
+        return self.needs_penalties or bool(self.bad_words_token_ids)
 
     @functools.cached_property
     def stop_token_set(self) -> frozenset[int]:
@@ -120,9 +144,11 @@ class SamplingParams:
     @functools.cached_property
     def draws_from_raw_logits(self) -> bool:
         """Only the temperature stands between the raw logits and the token (greedy: their
-        argmax): no logit bias, penalties, top-k/top-p/min-p or logprobs (min_tokens aside,
-        which depends on the tokens so far). Cached: checked per sequence per step."""
+        argmax): no logit bias, token masks, penalties, top-k/top-p/min-p or logprobs
+        (min_tokens aside, which depends on the tokens so far). Cached: checked per sequence
+        per step."""
         return (self.logprobs is None and not self.logit_bias and not self.needs_penalties
+                and self.allowed_token_ids is None and not self.bad_words_token_ids
                 and self.top_k <= 0 and self.top_p == 1.0 and self.min_p == 0.0)
 
 

@@ -2,7 +2,8 @@
 
     plain rows (temperature only):  draw(logits, T, seed)                one launch on CUDA
     other batches:  sanitise (NaN, inf) ─▶ raw logprobs (requests asking for them)
-      ─▶ logit_bias ─▶ min_tokens (mask stop tokens) ─▶ penalties
+      ─▶ allowed_token_ids ─▶ bad words ─▶ logit_bias ─▶ min_tokens (mask stop tokens)
+      ─▶ penalties
       ─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ draw(filtered, T > 0 ? 1 : 0, seed)
 
 The draw is a Gumbel-max race (`engine.worker.layers.sample`, `kernels.sampling` on CUDA): the
@@ -132,6 +133,8 @@ class Sampler:
         logits = sanitize(logits.float())
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], -1) if logprob_rows else None
+        logits = apply_allowed_token_ids(logits, seqs)
+        logits = apply_bad_words(logits, seqs)
         logits = apply_logit_bias(logits, seqs)
         logits = apply_min_tokens(logits, seqs)
         logits = apply_penalties(logits, seqs)
@@ -159,6 +162,41 @@ def sanitize(logits: torch.Tensor) -> torch.Tensor:
 def _rows_tokens(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
     rows, tokens = zip(*pairs)
     return upload(rows, torch.long, device), upload(tokens, torch.long, device)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor,
+                            seqs: list[ScheduledSequence]) -> torch.Tensor:
+    """A row whose request names allowed_token_ids keeps only their logits; the others -inf.
+    Rows without the field are untouched, and cost nothing on the host."""
+    limited = [(i, s.params.allowed_token_ids) for i, s in enumerate(seqs)
+               if s.params.allowed_token_ids is not None]
+    if not limited:
+        return logits
+    device = logits.device
+    rows = np.repeat([i for i, _ in limited], [len(allowed) for _, allowed in limited])
+    tokens = np.concatenate([np.asarray(allowed, np.int64) for _, allowed in limited])
+    inside = tokens < logits.shape[-1]
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    keep[upload([i for i, _ in limited], torch.long, device)] = False
+    keep[upload(rows[inside], torch.long, device), upload(tokens[inside], torch.long, device)] \
+        = True
+    return logits.masked_fill(~keep, NEG_INF)
+
+
+def apply_bad_words(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
+    """vLLM's bad words: a word's last token is banned in a row whose output so far ends with
+    the word's other tokens (a one-token word: always). Host work is per bad word of the rows
+    that have them; the mask is one scatter on the device."""
+    vocab = logits.shape[-1]
+    banned = [(i, word[-1]) for i, s in enumerate(seqs) for word in s.params.bad_words_token_ids
+              if word[-1] < vocab and _ends_with(s.output_token_ids, word[:-1])]
+    if not banned:
+        return logits
+    return logits.index_put(_rows_tokens(banned, logits.device), logits.new_full((), NEG_INF))
+
+
+def _ends_with(tokens: tuple[int, ...], prefix: tuple[int, ...]) -> bool:
+    return not prefix or tuple(tokens[-len(prefix):]) == prefix
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[ScheduledSequence]) -> torch.Tensor:
