@@ -45,7 +45,7 @@ for stage in "$@"; do
     echo "=== $stage ==="
     dir=$OUT/$stage log=$LOGS/$stage.log
     case $stage in
-        tests) python3 -m pytest tests/kernels tests/test_cuda_graphs.py -q -x 2>&1 | tee "$log" | tail -25 ;;
+        tests) python3 -m pytest tests/kernels tests/worker/test_cuda_graphs.py -q -x 2>&1 | tee "$log" | tail -25 ;;
         latency) python3 scripts/bench_latency.py --models "${MODELS:-gpt2,gpt2-xl}" --anchor .anchor/compiled_decode_anchor.py --out "$dir" ${LATENCY_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s" ;;
         offline) python3 scripts/bench_offline.py --model gpt2 --num-prompts "${NUM_PROMPTS:-1000}" --out "$dir" ${OFFLINE_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s\]" ;;
         kernels) python3 scripts/bench_kernels.py --out "$dir" 2>&1 | tee "$log" | tail -30 ;;

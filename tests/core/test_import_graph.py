@@ -1,6 +1,6 @@
 """The package layout is the architecture: the pure-Python core must not pull in torch,
 kernels/ stands alone, the worker knows nothing of speculation, and no two packages import
-each other."""
+each other. Tests share helpers (tests/*.py), never each other's modules."""
 import ast
 import subprocess
 import sys
@@ -81,3 +81,11 @@ def test_only_the_adapters_import_kernels():
         if module.startswith("engine."):
             uses_kernels = any(m.split(".")[0] == "kernels" for m in _imported_modules(path))
             assert not uses_kernels or str(path.relative_to(ROOT)) in KERNEL_ADAPTERS, path
+
+
+def test_no_test_module_imports_another():
+    tests = ROOT / "tests"
+    test_modules = {path.stem for path in tests.rglob("test_*.py")}
+    for path in tests.rglob("*.py"):
+        imported = {m.split(".")[-1] for m in _imported_modules(path)} & test_modules
+        assert not imported, f"{path.relative_to(ROOT)} imports {sorted(imported)}"

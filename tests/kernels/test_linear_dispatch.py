@@ -57,6 +57,7 @@ def test_add_norm_linear_paths_match_reference(m, gelu, monkeypatch):
         assert calls == (fused if wins else [])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times inside CUDA graphs")
 def test_measured_table_names_candidate_configs_only():
     """The timing after the parallel compile: every win is a candidate at a measured shape."""

@@ -37,6 +37,7 @@ def test_the_linear_table_covers_every_graphs_rows():
     assert capture_sizes(30)[-1] == 30
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8),
                                     dict(temperature=0.8, top_k=40)],
@@ -58,6 +59,7 @@ def test_graph_decode_equals_eager(tiny_checkpoint, dtype, params):
     assert results[0] == results[1]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("draft_tokens", [1, 3])
 def test_draft_model_chain_graphs_equal_eager(tiny_checkpoint, draft_tokens):
