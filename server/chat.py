@@ -34,18 +34,19 @@ from server.completions import (CompletionService, collect_outputs, merge_deltas
                                 off_loop_if_long, sse_event, stream_events)
 from server.protocol import (INT64_MAX, CompletionRequest, Limits, RequestError, Usage,
                              check_field_support, finite_logprob, parse_completion_request,
-                             parse_model)
+                             parse_model, prompt_tokens_kept, truncate_prompts)
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 RESPONSE_ROLE = "assistant"
-# The completion fields a chat request takes as they are; chat's own echo, logprobs and
-# max_tokens differ. Listed, not derived, so a new completion field reaches chat only once
-# chat implements it.
+# The completion fields a chat request takes as they are (every one vLLM's chat takes); chat's
+# own echo, logprobs and max_tokens differ, and best_of and suffix are completion-only.
+# Listed, not derived, so a new completion field reaches chat only once chat implements it.
 SHARED_FIELDS = ("model", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                  "presence_penalty", "frequency_penalty", "seed", "logit_bias", "user", "top_k",
                  "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-                 "include_stop_str_in_output", "cache_salt", "request_id",
-                 "add_special_tokens")
+                 "allowed_token_ids", "bad_words", "include_stop_str_in_output", "cache_salt",
+                 "priority", "request_id", "add_special_tokens", "truncate_prompt_tokens",
+                 "return_token_ids", "return_tokens_as_token_ids")
 NO_TEMPLATE = ("this model has no chat template: start the server with --chat-template "
                "FILE_OR_TEMPLATE (a Jinja template, as in a tokenizer_config.json)")
 
@@ -63,11 +64,6 @@ CHAT_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "reasoning_effort": ((), "GPT-2 does not reason"),
     "mm_processor_kwargs": (({},), "GPT-2 takes text only"),
     "media_io_kwargs": (({},), "GPT-2 takes text only"),
-    # vLLM fields the completions route may take but chat does not implement yet
-    "priority": ((0,), "chat requests are scheduled first come, first served"),
-    "truncate_prompt_tokens": ((), "chat prompts are not truncated"),
-    "return_token_ids": ((False,), "it is not implemented for chat"),
-    "return_tokens_as_token_ids": ((False,), "it is not implemented for chat"),
 }
 
 
@@ -116,9 +112,6 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     _refuse_unsupported(body)
     check_field_support({k: v for k, v in body.items() if k not in CHAT_UNSUPPORTED},
                         ChatCompletionRequest)
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        raise RequestError("stream_options.continuous_usage_stats is not supported for chat",
-                           param="stream_options", code="unsupported_field")
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     return req
@@ -232,11 +225,15 @@ class ChatService:
         messages = parse_messages(req.messages)
         prompt = await self.prompt_ids(req, messages)
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"  # unique in the engine, whatever clients send
+        limits = self.completions.limits
         with named_as_sent(req):
-            completion = completion_request(req, prompt, self.completions.limits)
+            completion = completion_request(req, prompt, limits)
+            [prompt] = truncate_prompts([prompt], prompt_tokens_kept(completion,
+                                                                     limits.max_model_len))
             params = self.completions.sampling_params(completion, [prompt])
             generation, watcher = self.completions.submit(http_request, engine_id, [prompt],
-                                                          params, req.cache_salt)
+                                                          params, req.cache_salt,
+                                                          req.priority or 0)
         response_id = f"chatcmpl-{req.request_id}" if req.request_id else engine_id
         reply = _ChatReply(self.completions, req, response_id, prompt,
                            _echo_text(req, messages))
@@ -317,11 +314,13 @@ class ChatMessage(msgspec.Struct):
 
 
 class ChatChoice(msgspec.Struct):
+    """`token_ids` (vLLM's return_token_ids) is left out of the JSON unless asked for."""
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None  # vLLM's: the stop token id or string that ended it
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -331,6 +330,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -345,15 +345,18 @@ class ChatStreamChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # this chunk's, if asked for
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """With return_token_ids, each choice's opening chunk holds the prompt's ids."""
     id: str
     object: str = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class _ChatReply:
@@ -367,6 +370,10 @@ class _ChatReply:
         self.finals: dict[int, RequestOutput] = {}
         self.opened = False
         self.finish_sent: set[int] = set()
+        self.completion_tokens: dict[int, int] = {}  # per choice, streamed so far
+        options = req.stream_options
+        # vLLM asks for include_usage too; here either works alone, as on /v1/completions
+        self.continuous_usage = bool(options and options.continuous_usage_stats)
 
     async def collect(self, generation: Generation, watcher: asyncio.Task[None]) -> Response:
         finals = await collect_outputs(generation, watcher)
@@ -376,11 +383,13 @@ class _ChatReply:
         choices = [ChatChoice(index=c.index,
                               message=ChatMessage(RESPONSE_ROLE, self.echo + c.text),
                               logprobs=self._logprobs(c.token_ids, c.logprobs),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                              token_ids=self._token_ids(c.token_ids))
                    for c in finals[0].outputs]
         response = ChatCompletionResponse(id=self.response_id, created=self.created,
                                           model=self.service.model_name, choices=choices,
-                                          usage=self.usage())
+                                          usage=self.usage(),
+                                          prompt_token_ids=self._token_ids(self.prompt))
         return Response(msgspec.json.encode(response), media_type="application/json")
 
     def stream(self, generation: Generation,
@@ -395,17 +404,19 @@ class _ChatReply:
         for _, choice in merge_deltas(ready):
             chunk = self._delta_choice(choice)
             if chunk is not None:
-                yield self._chunk([chunk])
+                yield self._chunk([chunk], self._usage_so_far(chunk.index))
 
     def _opening(self) -> Iterator[bytes]:
-        """Each choice's first chunk holds the role (and no text), as vLLM sends it; then the
-        echoed text, if any."""
+        """Each choice's first chunk holds the role (and no text), and with return_token_ids
+        the prompt's ids, as vLLM sends it; then the echoed text, if any."""
         indices = range(self.req.n or 1)
         for index in indices:
             yield self._chunk([ChatStreamChoice(index, ChatDelta(role=RESPONSE_ROLE,
-                                                                 content=""))])
+                                                                 content=""))],
+                              self._usage_so_far(index), self._token_ids(self.prompt))
         for index in indices if self.echo else ():
-            yield self._chunk([ChatStreamChoice(index, ChatDelta(content=self.echo))])
+            yield self._chunk([ChatStreamChoice(index, ChatDelta(content=self.echo))],
+                              self._usage_so_far(index))
 
     def _closing(self) -> Iterator[bytes]:
         if self.req.stream_options and self.req.stream_options.include_usage:
@@ -418,16 +429,33 @@ class _ChatReply:
             return None
         if finishing:
             self.finish_sent.add(choice.index)
+        self.completion_tokens[choice.index] = (self.completion_tokens.get(choice.index, 0)
+                                                + len(choice.delta_token_ids))
         return ChatStreamChoice(
             index=choice.index, delta=ChatDelta(content=choice.delta_text),
             logprobs=self._logprobs(choice.delta_token_ids, choice.delta_logprobs),
             finish_reason=choice.finish_reason if finishing else None,
-            stop_reason=choice.stop_reason if finishing else None)
+            stop_reason=choice.stop_reason if finishing else None,
+            token_ids=self._token_ids(choice.delta_token_ids))
 
-    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> bytes:
+    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None,
+               prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET) -> bytes:
         return sse_event(ChatCompletionChunk(id=self.response_id, created=self.created,
                                              model=self.service.model_name, choices=choices,
-                                             usage=usage))
+                                             usage=usage, prompt_token_ids=prompt_token_ids))
+
+    def _usage_so_far(self, index: int) -> Usage | None:
+        """stream_options.continuous_usage_stats: the prompt and one choice's tokens so far,
+        in every chunk, as vLLM counts them."""
+        if not self.continuous_usage:
+            return None
+        completion = self.completion_tokens.get(index, 0)
+        return Usage(prompt_tokens=len(self.prompt), completion_tokens=completion,
+                     total_tokens=len(self.prompt) + completion)
+
+    def _token_ids(self, token_ids: list[int]) -> list[int] | msgspec.UnsetType:
+        """return_token_ids: these ids; otherwise the field stays out of the JSON."""
+        return list(token_ids) if self.req.return_token_ids else msgspec.UNSET
 
     def usage(self) -> Usage:
         completion = sum(len(c.token_ids) for out in self.finals.values() for c in out.outputs)
@@ -446,6 +474,11 @@ class _ChatReply:
             for token_id, entry in zip(token_ids, entries or [])])
 
     def _token(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
+        """A logprob entry's token, logprob and bytes. With return_tokens_as_token_ids the
+        token is "token_id:<id>" and the bytes are that name's, as vLLM writes them."""
+        if self.req.return_tokens_as_token_ids:
+            name = f"token_id:{token_id}"
+            return name, finite_logprob(logprob), list(name.encode())
         tokenizer = self.service.tokenizer
         return (tokenizer.decode([token_id]), finite_logprob(logprob),
                 list(tokenizer.token_bytes_table[token_id]))

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
     ValidationError
 
 from engine.core.request import MAX_LOGPROBS, SamplingParams
-from engine.output.tokenizer import check_token_ids, is_token_list
+from engine.output.tokenizer import Tokenizer, check_token_ids, is_token_list
 
 LOGIT_BIAS_LIMIT = 100.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -91,6 +91,8 @@ class CompletionRequest(_Strict):
     ignore_eos: StrictBool | None = False
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    allowed_token_ids: list[StrictInt] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words never generated, tokenized as vLLM does
     include_stop_str_in_output: StrictBool | None = False
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # per-tenant prefix cache
     # lower is scheduled first; other than 0 only under --scheduling-policy priority
@@ -169,8 +171,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not implemented"),
     "length_penalty": ((1.0, 1), "length_penalty applies to beam search, not implemented"),
     "prompt_logprobs": ((), "prompt logprobs are not implemented"),
-    "allowed_token_ids": (([],), "allowed_token_ids is not implemented"),
-    "bad_words": (([],), "bad_words is not implemented"),
     "logits_processors": (([],), "custom logits processors are not supported"),
     # GPT-2's one special token, <|endoftext|>, is left out of the text (vLLM's default,
     # skip_special_tokens=True); spacing between specials is then moot
@@ -229,6 +229,7 @@ def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
     check_priority(request.priority, limits)
     parse_prompt(request.prompt, limits)
     _check_stop(request, limits.vocab_size)
+    _check_token_masks(request, limits.vocab_size)
     parse_logit_bias(request.logit_bias, limits.vocab_size)
     return request
 
@@ -341,6 +342,20 @@ def _check_stop(req: CompletionRequest, vocab_size: int) -> None:
     check_tokens_in_vocab(req.stop_token_ids or [], vocab_size, param="stop_token_ids")
 
 
+def _check_token_masks(req: CompletionRequest, vocab_size: int) -> None:
+    """vLLM's rules: allowed_token_ids, when sent, is a non-empty list of vocabulary ids;
+    each bad word holds more than spaces (an empty word would ban nothing, silently)."""
+    if req.allowed_token_ids is not None:
+        if not req.allowed_token_ids:
+            raise RequestError("allowed_token_ids must not be empty (null allows every token)",
+                               param="allowed_token_ids")
+        check_tokens_in_vocab(req.allowed_token_ids, vocab_size, param="allowed_token_ids")
+    for i, word in enumerate(req.bad_words or ()):
+        if not word.strip():
+            raise RequestError(f"bad_words[{i}] must hold a word, got {_describe(word)}",
+                               param="bad_words")
+
+
 def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
     """Keys are token ids written as strings; values are clamped to ±100 as OpenAI does."""
     parsed: dict[int, float] = {}
@@ -381,6 +396,10 @@ def to_sampling_params(req: CompletionRequest, vocab_size: int) -> SamplingParam
         frequency_penalty=_default(req.frequency_penalty, 0.0),
         repetition_penalty=_default(req.repetition_penalty, 1.0), logprobs=req.logprobs,
         logit_bias=tuple(parse_logit_bias(req.logit_bias, vocab_size).items()),
+        allowed_token_ids=None if req.allowed_token_ids is None else
+        tuple(req.allowed_token_ids),
+        bad_words_token_ids=tuple(map(tuple, Tokenizer().bad_words_token_ids(
+            req.bad_words or []))),
         output_kind="delta")  # the server streams deltas and answers from the final output
 
 

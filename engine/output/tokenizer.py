@@ -84,6 +84,20 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.encoding.decode(token_ids, errors="replace")
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenizing of bad_words: each word, leading spaces stripped, is banned as it
+        is and, where a leading space makes a different first token of the same length, with
+        the space too (so a word is banned both at the start and after a space). Each word
+        must hold something besides spaces."""
+        sequences = []
+        for word in words:
+            bare = self.encode(word.lstrip())
+            spaced = self.encode(" " + word.lstrip())
+            sequences.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        return sequences
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids: text is encoded, token ids are checked."""
         if isinstance(prompt, str):

@@ -226,7 +226,6 @@ def test_outputs_of_several_steps_merge_into_one_delta_per_choice():
 
 @pytest.mark.parametrize("field,value", [
     ("use_beam_search", True), ("length_penalty", 0.5), ("prompt_logprobs", 1),
-    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
     ("priority", 5), ("logits_processors", ["a.b"]),
     ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
     ("guided_regex", "[a-z]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "x"),
