@@ -6,8 +6,8 @@ whose first chunk per choice carries the role).
 A chat request amounts to a completion request: its sampling fields are the completion
 fields, checked by the same code (server/protocol.py); `max_completion_tokens` (or the
 deprecated `max_tokens`; neither: the rest of the context) becomes max_tokens, and `logprobs`
-with `top_logprobs` becomes logprobs. An error in that request names the chat field the client
-sent.
+with `top_logprobs` becomes logprobs; truncate_prompt_tokens keeps the rendered prompt's last
+tokens. An error in that request names the chat field the client sent.
 """
 from __future__ import annotations
 
@@ -39,14 +39,15 @@ from server.protocol import (INT64_MAX, CompletionRequest, Limits, RequestError,
 ROLES = ("system", "user", "assistant", "tool", "developer")
 RESPONSE_ROLE = "assistant"
 # The completion fields a chat request takes as they are (every one vLLM's chat takes); chat's
-# own echo, logprobs and max_tokens differ, and best_of and suffix are completion-only.
-# Listed, not derived, so a new completion field reaches chat only once chat implements it.
-SHARED_FIELDS = ("model", "temperature", "top_p", "n", "stream", "stream_options", "stop",
-                 "presence_penalty", "frequency_penalty", "seed", "logit_bias", "user", "top_k",
-                 "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-                 "allowed_token_ids", "bad_words", "include_stop_str_in_output", "cache_salt",
-                 "priority", "request_id", "add_special_tokens", "truncate_prompt_tokens",
-                 "return_token_ids", "return_tokens_as_token_ids")
+# own echo, logprobs and max_tokens differ, and suffix is completion-only. Listed, not
+# derived, so a new completion field reaches chat only once chat implements it.
+SHARED_FIELDS = ("model", "temperature", "top_p", "n", "best_of", "stream", "stream_options",
+                 "stop", "presence_penalty", "frequency_penalty", "seed", "logit_bias", "user",
+                 "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
+                 "stop_token_ids", "allowed_token_ids", "bad_words",
+                 "include_stop_str_in_output", "cache_salt", "priority", "request_id",
+                 "add_special_tokens", "truncate_prompt_tokens", "return_token_ids",
+                 "return_tokens_as_token_ids")
 NO_TEMPLATE = ("this model has no chat template: start the server with --chat-template "
                "FILE_OR_TEMPLATE (a Jinja template, as in a tokenizer_config.json)")
 

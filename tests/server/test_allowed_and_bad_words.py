@@ -157,6 +157,11 @@ def test_chat_truncate_prompt_tokens_keeps_the_last_tokens(http):
     assert kept["usage"]["prompt_tokens"] == 5
 
 
+def test_chat_best_of_is_checked_as_on_completions(http):
+    assert len(chat(http, max_tokens=2, n=2, best_of=2)["choices"]) == 2
+    refused(http, "/v1/chat/completions", {"messages": USER, "best_of": 3}, "best_of")
+
+
 def test_chat_priority_follows_the_scheduling_policy(http):
     assert chat(http, max_tokens=2, priority=0)["choices"]
     error = refused(http, "/v1/chat/completions", {"messages": USER, "priority": 3},
