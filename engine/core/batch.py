@@ -2,16 +2,11 @@
 
     Scheduler.schedule() ──SchedulerOutput──▶ ModelRunner.execute() ──RunnerOutput──▶ Scheduler.update()
 
-The runner only reads a SchedulerOutput; it never touches Request objects. Everything it needs
-to build device inputs is here, down to which row of the previous step's output a token still
-being sampled comes from, so a recorded sequence of steps can be replayed or tested.
-
-Block layout of one scheduled sequence (block_size 4, 10 tokens computed, 3 new):
+The runner reads only these types, never a Request, so recorded steps replay through a fresh
+runner. Block layout of one sequence (block_size 4, 10 tokens computed, 3 new: 10, 11, 12):
 
     positions   0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 ..
-    block_ids   [  7    ,   2     ,    9      ]
-                 cached    cached   9,10 computed; 10,11,12 are this step's new tokens
-                                    (12 lands in a fourth block once allocated)
+    block_ids   [  7    ,   2     ,    9      , (a fourth block, allocated for 12)]
     slot of position p = block_ids[p // block_size] * block_size + p % block_size
 """
 from __future__ import annotations
@@ -32,12 +27,10 @@ class ScheduledSequence:
     output_token_ids: tuple[int, ...] = ()  # generated so far (penalties); set only if needed
     prompt_token_ids: tuple[int, ...] = ()  # the prompt (repetition penalty); set only if needed
     num_output_tokens: int = 0  # tokens generated so far (seeded sampling, min_tokens)
-    # >= 0: token_ids is [PLACEHOLDER_TOKEN], the token in this row of the previous step's
-    # sampled output (see SchedulerOutput); -1: every new token is known
+    # >= 0: token_ids is [PLACEHOLDER_TOKEN], from this row of the last step's samples; -1: none
     prev_sample_row: int = -1
-    # the last num_drafts of token_ids are a proposer's guesses: the runner samples at each
-    # of them and at the token before them, and reports the ones the target accepted
-    # (UNFILLED_DRAFT for the draft_model method: the draft model drafts on the device)
+    # the last num_drafts of token_ids are guesses: the runner samples at each and at the token
+    # before them, and reports the accepted ones (RunnerOutput.accepted_drafts)
     num_drafts: int = 0
 
     @property
@@ -50,13 +43,8 @@ class ScheduledSequence:
         return self.start_position + len(self.token_ids)
 
 
-# A token id not known yet when the step was scheduled: the one the previous step (still on
-# the device) samples for this sequence, named by the sequence's prev_sample_row.
-PLACEHOLDER_TOKEN = -1
-# A draft slot the scheduler reserved for the draft model, whose guess the runner writes into
-# the step's inputs on the device (engine/speculative/draft_model/); the scheduler learns the
-# accepted ones from RunnerOutput.accepted_drafts.
-UNFILLED_DRAFT = -2
+PLACEHOLDER_TOKEN = -1  # sampled by the previous step, still on the device (prev_sample_row)
+UNFILLED_DRAFT = -2  # a draft slot the draft model fills on the device
 
 
 @dataclass(frozen=True)
@@ -67,14 +55,12 @@ class SchedulerOutput:
 
         step 7 samples   rows  0: A   1: C   (its sample=True sequences, in order)
         step 8           B [12, 13] prev_sample_row -1 | C [PLACEHOLDER_TOKEN] prev_sample_row 1
-
-    So a recorded sequence of SchedulerOutputs replays through a fresh runner."""
+    """
     sequences: list[ScheduledSequence] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     step_id: int = 0  # tells Scheduler.update which schedule() these results answer
     num_draft_tokens: int = 0  # the sequences' num_drafts summed (0: a step without drafts)
-    # a request of this step may speculate next: apply this step before scheduling the next
-    # (how many tokens it gains decides where that request goes on)
+    # a request here may speculate next: apply this step before scheduling the next
     apply_before_next: bool = False
 
     @property

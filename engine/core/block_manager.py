@@ -1,18 +1,14 @@
 """Paged KV-cache bookkeeping: blocks, ref counts, an LRU free queue and a prefix cache.
-
-Pure Python (no torch): it decides which physical block holds which tokens; the model runner
-only reads the resulting block tables.
+Pure Python; the model runner only reads the block tables it produces.
 
     request A  prompt "The cat sat on the mat and then"  (block_size 4)
     block table [ 3 | 8 | 5 ]        3, 8 full -> hashed and shareable; 5 partial -> private
     request B  prompt "The cat sat on the mat, but"
     block table [ 3 | 11 | ...]      hit on block 3 (ref count 2), miss on the second block
 
-Every full block is keyed by a hash chain: key(i) = sha256(key(i-1) || tokens of block i),
-so a key names the whole prefix up to and including the block, never just its tokens.
-key(-1) is empty, or a hash of the request's cache_salt: blocks are shared within a tenant only.
-Freed blocks keep their key and stay reusable until a new allocation evicts them, oldest
-first (blocks at the tail of a sequence are freed first, so they are evicted first).
+A full block's key names its whole prefix: key(i) = sha256(key(i-1) || tokens of block i),
+key(-1) empty or a hash of the request's cache_salt (sharing stays within a tenant). Freed
+blocks keep their key until a new allocation evicts them, least recently freed first.
 """
 from __future__ import annotations
 
@@ -92,9 +88,8 @@ class BlockManager:
     # -------------------------------------------------------------- admission
     def find_cached_prefix(self, token_ids: list[int],
                            cache_salt: str | None = None) -> list[int]:
-        """Blocks already holding a prefix of token_ids, cached by requests of the same
-        cache_salt. At least one token is always left to compute, since its logits are needed
-        to sample."""
+        """Cached blocks holding a prefix of token_ids under cache_salt; always leaves at least
+        one token to compute (its logits are sampled)."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
@@ -110,10 +105,8 @@ class BlockManager:
 
     def admit(self, request_id: str, token_ids: list[int], cached: list[int],
               num_new_tokens: int, cache_salt: str | None = None) -> bool:
-        """Take the cached prefix blocks plus fresh blocks for num_new_tokens beyond them.
-        cached is what find_cached_prefix found for the same cache_salt, which also roots the
-        keys of the blocks this request fills. Returns False, changing nothing, when the free
-        pool is too small."""
+        """Take the `cached` blocks (find_cached_prefix's, same cache_salt) plus fresh ones
+        for num_new_tokens past them. False, changing nothing, if out of blocks."""
         assert request_id not in self._requests, f"{request_id} already holds blocks"
         num_tokens = len(cached) * self.block_size + num_new_tokens
         # a cached block with no owner sits in the free queue: taking it uses up a free block
@@ -143,10 +136,8 @@ class BlockManager:
         return True
 
     def shrink(self, request_id: str, num_tokens: int) -> None:
-        """Cut the request's table to cover num_tokens (no-op if it covers no more),
-        releasing the blocks wholly past them (a speculative step's rejected drafts). Those
-        blocks were never full of computed tokens, so they hold no cached prefix: they go to
-        the front of the free queue, to be reused before any cached block is evicted."""
+        """Cut the table to cover num_tokens, releasing the blocks wholly past them. They hold
+        no cached prefix, so they go to the front of the free queue (reused before evicting)."""
         entry = self._requests[request_id]
         if num_tokens < len(entry.keys) * self.block_size:
             raise ValueError(f"cannot shrink {request_id} to {num_tokens} tokens: its first "

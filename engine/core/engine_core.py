@@ -1,25 +1,13 @@
 """EngineCore: the scheduler, the block manager and the model runner, stepped together. It
-knows sequences and token ids only; text, stop strings and the n choices of a request are the
-frontend's (engine/output/processor.py). It runs in the caller's process (offline `LLM`) or in
-a process of its own (the server, server/engine_process.py).
+knows sequences and token ids only (text, stop strings and n choices are engine/output's). It
+runs in the caller's process (offline `LLM`) or its own (server/core_main.py).
 
     step():  schedule N+1 ─▶ launch N+1 ─▶ wait N ─▶ update N ─▶ StepOutput of N
     device:  ──── step N ────────────────┘└──── step N+1 ─────────────────────
 
-Step N+1 is scheduled and launched before step N's tokens are waited for, so the host's work
-overlaps the device's (see Scheduler for the placeholders this needs). With async_scheduling
-off, each step is waited for and applied before step() returns.
-
-A step that samples for a request that may speculate (speculative decoding on) is applied
-before the next is scheduled: where the request goes on depends on how many drafts it
-accepted, and it gets drafts only once its last token is known. So then the loop is
-
-    step():  wait N ─▶ update N ─▶ schedule N+1 ─▶ launch N+1 ─▶ StepOutput of N
-
-and the device idles while the host updates, proposes and schedules (no run-ahead); with
-speculation switched off (or no request that may speculate) the loop stays pipelined. With a
-draft model, its drafts are filled into step N+1 between scheduling and launching it
-(`Drafter.fill`: k draft decode steps on the device, then one wait for their tokens).
+With async_scheduling off, each step is applied before step() returns. A step flagged
+`apply_before_next` (a request in it may speculate) is applied before the next is scheduled:
+wait N ─▶ update N ─▶ schedule N+1 ─▶ launch N+1 (docs/speculative.md section 4).
 """
 from __future__ import annotations
 
@@ -93,9 +81,8 @@ class EngineCore:
                 if (out := self._output_of(request, logprobs.get(request.request_id)))]
 
     def _output_of(self, request: Request, token_logprobs) -> SequenceOutput | None:
-        """The tokens the frontend has not seen yet. A final_only sequence with nothing to
-        check per token (no stop strings, no logprobs) gets them all at its end: an offline
-        batch then costs no per-token message."""
+        """The tokens the frontend has not seen yet, or None. A final_only sequence with no
+        stop strings or logprobs gets them all at its end (no per-token message)."""
         seq_id, params = request.request_id, request.params
         sent = self._num_sent.get(seq_id)
         if sent is None:
@@ -127,14 +114,10 @@ class EngineCore:
 
 def run_core_loop(core: EngineCore, receive: Callable[[float], list[ToCore]],
                   send: Callable[[FromCore], None]) -> None:
-    """The core's loop, in a thread or a process of its own. Between steps it applies every
-    message that arrived (`receive(timeout)`: what came, waiting up to `timeout` seconds for
-    the first), then steps and sends the StepOutput. With nothing to step it waits at most
-    IDLE_WAIT and sends an empty StepOutput: the core speaks after every step and every
-    IDLE_WAIT when idle, and its silence is what the frontends' watchdogs time
-    (server/engine_client.py).
-    Returns on Shutdown; an exception from a step ends it with CoreFailed. A malformed frame
-    is the receiver's to drop: it never reaches here."""
+    """Apply every arrived message (`receive(timeout)` waits up to `timeout` for the first),
+    step, send the StepOutput; repeat. Idle, it sends an empty StepOutput every IDLE_WAIT:
+    the frontends' watchdogs time its silence. Returns on Shutdown; a failing step sends
+    CoreFailed and returns. `receive` drops malformed frames."""
     try:
         while True:
             for message in receive(0.0 if core.has_unfinished() else IDLE_WAIT):

@@ -1,28 +1,14 @@
-"""The draft model of the draft_model method, on the worker side: a second ModelRunner (the
-draft's weights and KV pool, no step graphs of its own) whose pool has the target's block
-count and block size, so the target's block tables and slot mappings index it too and the
-block manager stays the one owner of blocks.
+"""The draft_model method's worker side: a second ModelRunner whose KV pool has the target's
+block count and block size, so the target's block tables index it too (the block manager owns
+both). docs/speculative.md section 8 tells the whole story.
 
-    every step but    follow(): the draft's forward over the target step's own inputs
-    verification-     (prefill chunks, decodes, verification rows), in the same launch or
-    only ones         a CUDA graph of its own replayed after the target's, writing draft KV
-                      wherever the target writes KV; a step whose every sequence verifies
-                      drafts skips it (fill wrote their KV but the last draft's: _catch_ups)
-    before a step     fill(): the draft's greedy iterations over the sampling sequences,
-    with drafts       chained on the device (chain_graphs.py: staged once, a
-                      graph per iteration on CUDA); their tokens, a device tensor, fill the
-                      step's UNFILLED_DRAFT slots there (DraftModelSpeculation.plan) and are
-                      judged there, so the host never waits for a draft
-    after a step      draft_ahead(): with chain graphs, the next step's iterations queued
-    that verifies     right behind the verification, from its accepted counts on the device
-    every sequence    (run_ahead), while the host waits, updates and schedules; the next
-                      fill takes those drafts if the step is the one drafted for (the same
-                      sequences and draft counts), else drafts anew
+    follow()       the draft's forward over a target step's inputs, for KV only (skipped
+                   when every sequence verifies drafts: fill wrote all but the last draft's)
+    fill()         greedy drafts for a step's sampling sequences, on the device, no host sync
+    draft_ahead()  the next step's drafts queued right behind a verification (chain graphs)
 
-So the draft has KV for every token the target has KV for (prefix-cache hits included: a
-cached block was computed with the draft following), and a rejected draft's slots are
-overwritten later, as the target's are. The drafts are the argmax: one-hot q, which makes the
-existing verification (`accept_drawn`) exact rejection sampling for sampled rows too.
+Invariant: the draft has KV wherever the target has, bar a `_catch_ups` hole fed before the
+next drafting. Drafts are the argmax (one-hot q), so `accept_drawn` stays exact.
 """
 from __future__ import annotations
 
@@ -47,13 +33,11 @@ GREEDY = SamplingParams(temperature=0.0)
 
 class Drafter:
     def __init__(self, runner, max_drafts: int) -> None:
-        """runner: the draft's ModelRunner (its KV cache allocated, no step graphs of its
-        own); where it could use CUDA graphs, its iterations (up to max_drafts) and its
-        catch-up are captured."""
+        """runner: the draft's ModelRunner (KV cache allocated, no step graphs of its own);
+        where it may use graphs, its chain of up to max_drafts iterations is captured."""
         self.runner = runner
         self.chain = self._capture_chain(max_drafts) if runner.uses_graphs else None
-        # for a step run without the follow pass, each request's last draft: its position,
-        # row and column in the fill's drafts (see _catch_ups); without graphs, those drafts
+        # after a step without the follow pass: each request's last draft (_catch_ups)
         self._unfollowed: dict[str, CatchUp] = {}
         self._last_drafts: torch.Tensor | None = None
         # (request id, draft count) of each row that draft_ahead drafted for, in order
@@ -77,10 +61,9 @@ class Drafter:
         self.runner.model(input_ids, positions, self.runner.kv_caches, meta)
 
     def fill(self, seqs: list[ScheduledSequence], skips_follow: bool) -> torch.Tensor:
-        """The draft's greedy guesses for `seqs` (a step's sampling sequences), as
-        [len(seqs), most drafts] int64 on the device, NO_TOKEN past a sequence's own; queued
-        without a host sync, as the target's step after them is. `skips_follow`: the
-        target's step will run without the follow pass."""
+        """Greedy drafts for `seqs` (a step's sampling sequences): int64 [len(seqs), most
+        drafts] on the device, NO_TOKEN past a sequence's own; no host sync. `skips_follow`:
+        the target's step runs without the follow pass."""
         width = max(s.num_drafts for s in seqs)
         drafted_ahead, self._drafted_ahead = self._drafted_ahead, None
         if skips_follow and drafted_ahead == [(s.request_id, s.num_drafts) for s in seqs]:
@@ -100,10 +83,9 @@ class Drafter:
         return drafts
 
     def draft_ahead(self, seqs: list[ScheduledSequence], verified: SamplerOutput) -> None:
-        """After a step that verified drafts of every sequence (`seqs`, this fill's), without
-        the follow pass: queue the next step's drafts on the device (run_ahead) from the
-        verification's tokens (`verified`, not yet on the host). Only with chain graphs and
-        where each table covers the row's lookahead (the scheduler's, k past the drafts)."""
+        """After a step that verified drafts of every sequence in `seqs` without following:
+        queue the next step's drafts from `verified` on the device. A no-op without chain
+        graphs or unless every table covers the row's lookahead."""
         block_size = self.runner.block_size
         if self.chain is None or not all(
                 s.num_drafts and len(s.block_ids) * block_size > s.start_position + 2 * s.num_drafts
@@ -117,12 +99,9 @@ class Drafter:
         self._unfollowed = {}  # run_ahead caught up every row that accepted all its drafts
 
     def _catch_ups(self, seqs: list[ScheduledSequence]) -> list[CatchUp | None]:
-        """A verification step without the follow pass leaves the draft without KV at each
-        row's last draft (fill's iterations wrote the ones before it). A request that
-        accepted every draft decodes from the position after it (its one known token, the
-        bonus, there), so before drafting again the draft is fed that last draft, read on
-        the device from the last fill's: in the chain graphs, in the same forward as the
-        bonus, one position before it."""
+        """Per row, the last draft to feed before drafting again, or None. A step without the
+        follow pass leaves no draft KV at a row's last draft; a row that accepted every draft
+        decodes right after it, so that draft is fed first (read from the last fill's)."""
         def catch_up(seq: ScheduledSequence) -> CatchUp | None:
             last = self._unfollowed.get(seq.request_id)
             follows_last = (last is not None and last[0] == seq.start_position - 1
@@ -133,9 +112,7 @@ class Drafter:
 
     def _eager_catch_up(self, rows: list[ScheduledSequence],
                         catch_ups: list[CatchUp | None]) -> None:
-        """The catch-up without graphs (which fold it into the chain's first iteration): a
-        forward of the draft over the catching-up rows' last drafts, for KV only
-        (feed_for_kv), before the chain."""
+        """Without graphs: feed the catching-up rows' last drafts, for KV only."""
         lagging = [(row, c) for row, c in zip(rows, catch_ups) if c is not None]
         if not lagging:
             return
