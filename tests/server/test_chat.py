@@ -360,7 +360,10 @@ def test_rendering_matches_transformers(messages, options):
                        documents=None, kwargs=kwargs) == expected
 
 
-def test_a_field_no_api_defines_is_logged_once(caplog):
+def test_a_field_no_api_defines_is_logged_once(caplog, monkeypatch):
+    import server.protocol
+
+    monkeypatch.setattr(server.protocol, "_logged_unknown", set())  # other tests fill it
     with caplog.at_level(logging.WARNING, logger="gpt2serve"):
         for _ in range(2):
             parse_chat_request({"messages": USER, "chat_field_nobody_defines": 1})

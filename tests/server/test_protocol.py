@@ -294,7 +294,11 @@ def test_token_id_fields_are_written_only_when_set():
     assert both["token_ids"] == [5] and both["prompt_token_ids"] == [1, 2]
 
 
-def test_a_field_no_api_defines_is_logged_once_and_inventions_cannot_flood_the_log(caplog):
+def test_a_field_no_api_defines_is_logged_once_and_inventions_cannot_flood_the_log(
+        caplog, monkeypatch):
+    import server.protocol
+
+    monkeypatch.setattr(server.protocol, "_logged_unknown", set())  # other tests fill it
     for _ in range(3):
         parse_completion_request({"prompt": "x", "no_such_field_xyz": 1}, LIMITS)
     assert caplog.text.count("no_such_field_xyz") == 1
