@@ -1,11 +1,9 @@
 """The messages between the engine core (scheduler + runner) and its frontend (tokenizing,
 detokenizing, stop strings, the HTTP server). The same objects travel in-process (offline
-`LLM`, a thread) and between processes (msgpack over ZMQ, `server/engine_process.py`):
+`LLM`) and between processes (msgpack over ZMQ, `server/core_main.py`):
 
     frontend ──AddSequences / AbortSequences / Shutdown──▶ core loop
     frontend ◀───StepOutput / SequenceFailed / CoreFailed─── core loop   one StepOutput per step
-
-msgspec Structs: typed, cheap to build (one per sequence per step), and encoded as arrays.
 """
 from __future__ import annotations
 

@@ -5,9 +5,6 @@ so a stream never emits text it would have to take back:
 
     stop = ["###"]      tokens "ab", "c#", "#", "#x"
     emitted             "ab", "c",  "",  (stop found: "###" dropped, finished)
-
-Each token's text is searched only for stop strings ending inside it (what came before was
-searched when it arrived), through `StopStrings`, so a request may carry any number of them.
 """
 from __future__ import annotations
 
@@ -82,8 +79,7 @@ class TextStream:
 
 @functools.lru_cache(maxsize=1)
 def stop_strings(stop: tuple[str, ...]) -> StopStrings:
-    """The index of `stop`, built once for a request's n choices (they share its stop tuple):
-    a list of half a million stop strings takes a few tenths of a second to index."""
+    """The index of `stop`, built once and shared by a request's n choices."""
     return StopStrings(stop)
 
 

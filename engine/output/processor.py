@@ -5,8 +5,7 @@ strings) and their timings, and builds one RequestOutput per request that change
     StepOutputs ──▶ process() ──▶ RequestOutputs, one per request that changed
                         └──▶ sequences a stop string ended: the caller aborts them in the core
 
-It runs beside the core (offline `LLM`) or in the API server's process (server/), so the
-per-token Python work never slows the engine core's step loop.
+It runs beside the core (offline `LLM`) or in the API server's process, never in the core's loop.
 """
 from __future__ import annotations
 
@@ -98,9 +97,7 @@ class OutputProcessor:
             params: SamplingParams, arrival_time: float, *,
             cache_salt: str | None = None, priority: int = 0) -> list[CoreRequest]:
         """Track a request; returns its n sequences for the core. Choices of a seeded request
-        get distinct, still reproducible, seeds. A cache_salt (the tenant's, e.g. per API key)
-        lets the request hit only prefix-cache blocks of requests with the same salt; the
-        priority orders it under the priority scheduling policy (lower first)."""
+        get distinct, reproducible seeds; prefix-cache hits stay within one cache_salt."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         group = _Group(request_id, prompt, prompt_token_ids, [])

@@ -12,14 +12,8 @@ has fewer than k tokens after it; the copy then goes on through the tokens it is
     tokens   ... 7 8 9 7 8 | ?        last 2: "7 8", latest match ends 2 back
     proposal     9 7 8 9              (k = 4: 9, then the proposal's own 7 8 9)
 
-Cost. Each request keeps an index: n-gram -> end position of its latest occurrence that has
-a token after it. A new token adds (max - min + 1) n-grams, each a tuple of at most max
-tokens; a proposal is as many dict look-ups plus a k-token slice. So a step costs
-O((max - min + 1) * max) per request whatever the context length, and a prompt of L tokens
-is indexed once, O(L (max - min + 1) max), at its first proposal. Memory: a copy of the
-tokens and up to (max - min + 1) index entries per position. Measured on the dev CPU (two
-shared cores), [2, 4]: 4-9 us per request per step at up to 2000 tokens of context, and about
-1-2 ms to index a 1000-token prompt once.
+Each request keeps an index (n-gram -> end of its latest occurrence with a token after it),
+so a step costs O((max - min + 1) * max) per request whatever the context length.
 """
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """The one interface every proposer meets, and what it sees of a request.
 
-Host proposers (n-gram lookup, the benchmarks' oracle) run in the scheduler when it builds a
-step: a speculating request is never scheduled ahead, so all its tokens are known then.
-
-    schedule():  context = DraftContext(request)   drafts = proposer.propose(context)
-                 step holds [last token, d1 .. dk]  (k + 1 positions verified together)
-
-A draft model is the one proposer that needs the device. Its scheduler-side proposer
-(`DraftSlots`) reserves the k slots only; the runner's drafter fills them in, batched over
-the step's speculating sequences, before the target verifies (draft_model/drafter.py).
-Every proposer's drafts are deterministic, so q is one-hot and `accept_drawn` is exact
-rejection sampling.
+Proposers run in the scheduler while it builds a step (a speculating request's tokens are
+all known then); `DraftSlots` only reserves slots that the draft model fills on the device.
+Drafts must be deterministic (one-hot q): that keeps `accept_drawn` exact.
 """
 from __future__ import annotations
 

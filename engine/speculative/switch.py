@@ -5,10 +5,8 @@ startup, not from a guess. With B requests decoding, per request and second:
     speculating   E(a, k) / S(B, k)              S: propose + verify (k + 1 tokens per row)
                   E(a, k) = (1 - a^(k+1)) / (1 - a)   tokens a row gains per step
 
-At batch 1 a step reads the weights once whatever its token count, so S(1, k) ~ T(1) and
-speculation wins; at batch 128 verification costs about a prefill of 128 (k + 1) tokens and
-loses. The scheduler asks `choose(B)` each step for the k to use (0: plain decode) and feeds
-each verified row back to `observe`, which keeps the acceptance rate a up to date.
+The scheduler asks `choose(B)` each step for the k to use (0: plain decode) and feeds each
+verified row back to `observe`, which keeps the acceptance rate a up to date.
 """
 from __future__ import annotations
 
@@ -74,11 +72,9 @@ def verdict(times: StepTimes, hysteresis: float = 0.05) -> str:
 
 
 class AcceptanceEstimate:
-    """a from verified rows. A row that accepted n of d drafts had n + (n < d) of them judged
-    (a rejection ends the run), so a = accepted / judged, both sums decaying per row so that
-    a change of workload shows within a few hundred rows. Starts at a prior worth
-    `prior_weight` judged drafts: light, as every step a wrong prior keeps speculation on
-    costs a verification step."""
+    """a = accepted / judged over verified rows (n of d accepted: n + (n < d) judged), both
+    sums decaying per row so a change of workload shows within a few hundred rows; starts
+    at a light prior worth `prior_weight` judged drafts."""
 
     def __init__(self, prior: float = 0.5, prior_weight: float = 4.0,
                  decay: float = 0.995) -> None:
@@ -95,10 +91,9 @@ class AcceptanceEstimate:
 
 
 class SpeculationSwitch:
-    """While off, no row is verified, so the acceptance estimate would freeze where it turned
-    speculation off; every `probe_every` steps off, one step drafts the shortest k anyway
-    (where full acceptance could win at this batch size), so a workload that turns
-    repetitive is noticed. A probe costs at most one verification step in `probe_every`."""
+    """Chooses each step's k from StepTimes and the acceptance estimate, with hysteresis.
+    While off, every `probe_every` steps one step drafts the shortest k that could win, so
+    the estimate does not freeze."""
 
     def __init__(self, times: StepTimes, hysteresis: float = 0.05,
                  acceptance: AcceptanceEstimate | None = None, probe_every: int = 128) -> None:

@@ -1,16 +1,10 @@
-"""The step times the speculation switch-off decides from (engine/speculative/switch.py), measured
-at startup: a plain decode step T(B), and a speculative step S(B, k) = a verification step
-(B rows of k + 1 tokens; the mixed-step graph of that padded count on CUDA) plus the
-proposal: the n-gram proposer's host time for B requests, or the draft model's k decode
-iterations over B rows (queued by the step's launch), for each batch size B
-a step can hold and k in 1..K.
+"""The step times switch.py decides from, measured at startup for each batch size B a step
+can hold and k in 1..K: a plain decode step T(B), and a speculative step S(B, k) = verifying
+B rows of k + 1 tokens plus the proposal (n-gram host time, or the draft model's k iterations).
 
-The synthetic steps read and write the KV of blocks 0.. while nothing is cached yet; every
-sequence of a step shares one block table, which costs the kernels what distinct tables
-would. Times are wall-clock seconds a step as the engine's loop runs it: plain steps
-pipelined with async scheduling (each launched before the last is waited for, so the host's
-work hides behind the device's), speculative steps one at a time (`runner.execute`: launch,
-wait), as a step whose result decides the next is applied before the next is scheduled.
+The synthetic steps use blocks 0.. before anything is cached, every sequence sharing one
+block table. Times are wall-clock seconds a step as the engine's loop runs it: plain steps
+pipelined, speculative steps one at a time (launch, wait), as the loop applies them.
 """
 from __future__ import annotations
 

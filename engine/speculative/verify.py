@@ -1,11 +1,8 @@
 """A step with drafts, as the sampler sees it, and its verification.
 
-A sequence with d drafts samples at d + 1 positions: its last known token and each draft.
-The sampler gets one row per position, position i drawing as output index
-num_output_tokens + i would (its seed, `Sampler.draw_inputs`), so each draw is the very token
-plain decoding would sample there given the drafts before it. Verification then compares
-(`accept_drawn`): drafts stay while they equal the draws, and the draw at the first
-mismatch, or after the last draft, is the sequence's sampled token.
+A sequence with d drafts samples at d + 1 positions, position i drawing as output index
+num_output_tokens + i would (`Sampler.draw_inputs`). `accept_drawn` keeps drafts while they
+equal the draws; the draw at the first mismatch, or after the last draft, is the sampled token.
 
     sequences   A (2 drafts)          B (none)     C (1 draft)
     rows        A+0  A+1  A+2         B+0          C+0  C+1

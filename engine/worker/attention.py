@@ -1,18 +1,14 @@
 """Attention over the paged KV cache: the backend interface and the `torch` reference backend.
 
-Cache layout, one tensor per layer for K and one for V:
-
-    k_cache[num_blocks, block_size, num_heads, head_dim]
-
-A batch is laid out varlen: the new tokens of all sequences are concatenated.
+Cache: per layer, k_cache and v_cache of [num_blocks, block_size, num_heads, head_dim].
+A batch is varlen, the new tokens of all sequences concatenated:
 
     query tokens   | seq 0 (3 new) | seq 1 (1 new) | seq 2 (5 new) |
     query_start_loc  0               3               4               9
     seq_lens       cached + new tokens of each sequence (its context after this step)
 
-Each new token attends causally to its sequence's cached tokens and to the new tokens up to and
-including itself. A backend first writes the new K and V into the cache at `slot_mapping`
-(slot -1 is padding and is never written), then attends.
+A backend writes the new K and V at `slot_mapping` (never slot -1, padding), then attends
+causally over each sequence's cache.
 """
 from __future__ import annotations
 

@@ -85,8 +85,7 @@ def _sample_indices(seqs: list[ScheduledSequence], query_start_loc: np.ndarray) 
 
 
 def _block_table_array(seqs: list[ScheduledSequence], width: int) -> np.ndarray:
-    """Ragged block ids as a zero-padded [S, width] array (a row loop measured faster than
-    building one flat array and scattering it)."""
+    """Ragged block ids as a zero-padded [S, width] array."""
     table = np.zeros((len(seqs), width), dtype=np.int32)
     for row, s in enumerate(seqs):
         table[row, :len(s.block_ids)] = s.block_ids
@@ -95,9 +94,8 @@ def _block_table_array(seqs: list[ScheduledSequence], width: int) -> np.ndarray:
 
 def _decode_host_inputs(seqs: list[ScheduledSequence], block_size: int,
                         max_blocks_per_seq: int) -> HostInputs:
-    """The common decode step (one token per sequence, all sampling), with plain lists: one
-    token per sequence needs none of the varlen index arithmetic, whose numpy call overheads
-    dominate at decode batch sizes."""
+    """The common decode step (one token per sequence, all sampling), with plain lists: numpy
+    call overheads would dominate at decode batch sizes."""
     positions = [s.start_position for s in seqs]
     slots = [s.block_ids[p // block_size] * block_size + p % block_size
              for s, p in zip(seqs, positions)]

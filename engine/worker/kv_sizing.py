@@ -59,10 +59,8 @@ class KVSizing:
         return num_blocks, sizing
 
     def free_cuda_bytes(self) -> tuple[int, str]:
-        """gpu_memory_utilization of the GPU, less what other processes and the CUDA context
-        hold and the peak of a worst-case step (weights + activations + sampling); the step's
-        bytes above the weights come from the startup cache when an earlier start measured
-        them with nothing changed ("cached"), else from running the step ("profiled")."""
+        """The module docstring's budget before the graph pool, and "cached" or "profiled"
+        (whether the worst step's bytes came from the startup cache or from running it)."""
         device = self.runner.device
         torch.cuda.empty_cache()
         weights = torch.cuda.memory_allocated(device)
@@ -97,10 +95,8 @@ class KVSizing:
                 "source": source_hash("engine/worker", "engine/speculative", "kernels")}
 
     def graph_memory_estimate(self, step_bytes: int) -> int:
-        """Graphs are captured after the cache is allocated, so their pool is set aside up
-        front: the logits that every captured size keeps (its outputs live between
-        replays), plus the largest step's working memory (`step_bytes`, what the profiled
-        worst-case step took above the weights), plus a margin."""
+        """The graph pool, set aside before the cache since graphs are captured after it:
+        every captured size's logits, the worst step's `step_bytes`, and a margin."""
         runner = self.runner
         if not runner.uses_graphs:
             return 0

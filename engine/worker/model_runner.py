@@ -1,10 +1,8 @@
 """Runs one scheduled step: SchedulerOutput ─▶ device inputs ─▶ forward ─▶ logits ─▶ sample.
 
-Owns the model, the paged KV cache and the sampler. Reads the SchedulerOutput only; inputs are
-built on the host with numpy and copied to the device once per tensor, and the sampled tokens
-come back with one host sync per step. Speculative decoding reaches it through one small
-protocol (engine/worker/speculation.py): a plain runner holds `NO_SPECULATION`.
-`engine/build.py` puts a runner together: load, size the KV cache, add speculation, capture.
+Owns the model, the paged KV cache and the sampler; reads the SchedulerOutput only; one host
+sync per step. Speculation reaches it through engine/worker/speculation.py (`NO_SPECULATION`
+when off); engine/build.py assembles a runner.
 """
 from __future__ import annotations
 

@@ -6,11 +6,9 @@ without speculation gets `NO_SPECULATION`, which changes nothing.
                             speculation.follower runs over the step's inputs if plan.follow
                    sampled = speculation.after_sample(plan, sampled)   one token a sequence
 
-A sequence with d drafts samples at d + 1 positions, so `plan.sample_rows` may hold more rows
-than the step's sampling sequences; `after_sample` returns one row per sampling sequence, with
-the drafts it accepted (`SamplerOutput.verified_token_ids`). It may start the output's host
-copy itself, to queue device work after the copy (`SamplerOutput.begin_host_copy` is
-idempotent).
+`plan.sample_rows` may hold more rows than sampling sequences (d + 1 per sequence with d
+drafts); `after_sample` returns one row per sampling sequence, with its accepted drafts in
+`verified_token_ids`, and may start the host copy itself (`begin_host_copy` is idempotent).
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """The Triton backend: the engine's adapter over kernels/, which imports nothing from engine/.
-The engine asks for it by name (attention_backend "triton") and gets the fused ops and the
-attention backend from here. Only this module and the draft chain's
-(engine/speculative/draft_model/chain_start.py) import kernels/ (tests/test_layers.py holds
-the engine to that)."""
+Only this module and engine/speculative/draft_model/chain_start.py import kernels/."""
 from __future__ import annotations
 
 import logging

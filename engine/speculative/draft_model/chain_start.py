@@ -9,10 +9,8 @@ first iteration's inputs, two token rows a sequence:
                  first KV of d_k, before: a rewrite of its own)  their KV)
     plan        iteration i at min(p + i, p + k - 1), slot -1 once the row has drawn its k
 
-A row without drafts (padding) sits at positions 0 and 1 and writes nothing. The plan is
-`chain_plan`, which every chain run's `ChainPlan.of` computes too. `chain_start` is the
-plain-PyTorch reference; kernels/draft_chain_start.py does it in one launch instead of some
-fifty small ones (`chain_start_op` picks).
+A row without drafts (padding) sits at positions 0 and 1 and writes nothing. `chain_start` is
+the reference of kernels/draft_chain_start.py (one launch); `chain_start_op` picks.
 """
 from __future__ import annotations
 

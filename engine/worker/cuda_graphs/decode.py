@@ -9,8 +9,7 @@ do no harm:
     seq_len    c0   c1   c2   c3   c4 | 1    1    1        attends to block 0, slot 0
     block row  ...                    | 0 0 0 ...         (finite: the cache is zeroed)
 
-Their attention metadata is fixed at capture: max_seq_len is the model's context length, so
-the split-KV grid covers any sequence, and the kernels mask by seq_lens.
+Attention metadata is fixed at capture, max_seq_len the context length; kernels mask by seq_lens.
 """
 from __future__ import annotations
 
@@ -78,10 +77,8 @@ class DecodeGraphs(OneTokenGraphs):
     def run(self, seqs: list[ScheduledSequence], sources: list[int],
             prev_tokens: torch.Tensor | None,
             draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the graph for this decode batch; sources[i] >= 0 is the row of sequence i's
-        placeholder token in prev_tokens (the previous step's samples). Returns logits
-        [B, vocab] and each row's token drawn at its temperature and seed (`draw_inputs`),
-        views valid until the next replay."""
+        """Replay the graph for this batch; sources[i] >= 0: sequence i's placeholder's row in
+        prev_tokens. Returns logits [B, vocab] and drawn tokens [B], valid until the next replay."""
         batch = len(seqs)
         size = self.size_for(batch)
         self._replay(size, lambda stager: stager.write(seqs, size, sources, draw_inputs),
@@ -93,17 +90,11 @@ class DecodeGraphs(OneTokenGraphs):
 class DecodeStager:
     """Writes decode steps (one token per sequence) into the named views of one pinned mirror
     (`tokens`: token_layout; `meta`: decode_meta_layout), for a padded batch of `size` rows.
-    Padding rows: token 0, position 0, slot -1, their own token, greedy draw (seed 0,
-    temperature 0); seq_len 1, block table row [0].
+    Padding rows: token 0 at position 0, slot -1, greedy draw; seq_len 1, block table [0].
 
-    The token source of row r is its own token id for a known token, or sources[r], the row of
-    the previous step's sampled tokens, for a placeholder (see token_layout).
-
-    A block-table row is rewritten only when the blocks it holds differ from the sequence's
-    (a sequence gains a block every block_size tokens; rows shift when the batch changes),
-    compared as tuples (what the scheduler sends), so a typical step writes no table row at
-    all. Entries past a row's blocks may be stale: the kernels read a table only below the
-    sequence's length."""
+    A block-table row is rewritten only when its blocks differ from the sequence's (compared
+    as tuples), so a typical step writes none. Entries past a row's blocks may be stale: the
+    kernels read a table only below the sequence's length."""
 
     def __init__(self, tokens: SimpleNamespace, meta: SimpleNamespace, block_size: int):
         self.tokens, self.meta, self.block_size = tokens, meta, block_size
@@ -113,8 +104,7 @@ class DecodeStager:
 
     def write(self, seqs: list[ScheduledSequence], size: int, sources: list[int],
               draw_inputs: DrawInputs) -> None:
-        """Only the per-sequence reads are Python; the arithmetic is numpy over the batch.
-        `draw_inputs`: each row's temperature and noise seed (Sampler.draw_inputs)."""
+        """Stage `seqs` padded to `size` rows; `draw_inputs`: Sampler.draw_inputs'."""
         batch, bs, t = len(seqs), self.block_size, self.tokens
         self._write_tables(seqs, size)
         token_ids, positions = t.token_ids[:batch], t.positions[:batch]

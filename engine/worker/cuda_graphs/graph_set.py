@@ -19,10 +19,9 @@ Follower = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None]
 
 class GraphSet:
     """Graphs of one kind, one per padded size, reading two packed device buffers: `tokens`
-    (int64, `token_layout`) and `meta` (int32, the subclass's layout). Two pinned staging
-    mirrors fill them in turn: when step N+1 is staged (scheduling ahead), step N's copies
-    may still be queued behind step N-1 on the device, so N+1 writes the mirror N-1 used,
-    once its copies are done (an event per mirror). A subclass defines attention_meta(size)
+    (int64, `token_layout`) and `meta` (int32, the subclass's layout). Two pinned mirrors
+    take turns, since step N's copies may still be queued while N+1 is staged; an event per
+    mirror guards its reuse. A subclass defines attention_meta(size)
     over the buffers and forward(size): what its graph of that size records, run eagerly;
     its result stays in `outputs[size]` (valid until the next replay of that size). A
     `follower` gets a graph of its own per size, over the same inputs, replayed after the

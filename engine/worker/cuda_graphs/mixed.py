@@ -8,12 +8,8 @@ pinned buffers:
     samples    the sampling sequences' last token rows (with drafts: their last
                num_drafts + 1 rows, engine/speculative/verify.py) | padding: row 0, greedy
 
-So a speculative verification step (k + 1 tokens per decoding sequence) replays the graph of
-its padded token count like any other step with several tokens per sequence.
-
-The prefill attention grid depends only on tensor shapes (kernels.paged_attention), so one
-capture serves every step that fits; padding token rows leave attention unwritten and stay in
-their own rows through every row-wise op after it.
+The prefill attention grid depends only on shapes, so one capture serves every step that
+fits; padding rows write no KV and stay in their own rows through every row-wise op.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """GPT-2 as one flat module over a paged KV cache (gpt-fast style: no HF classes at run time).
 
-Residual stream with the add + LayerNorm fused into the linear that follows it: each block
-entry is one `ops.add_norm_linear` call that adds the branch output to the residual,
-normalises, and multiplies (one launch at decode sizes). The token embedding enters as the
-first "branch" and the position embedding as the first residual, so layer 0 needs no special
-case:
+Each add + LayerNorm is fused into the linear after it (`ops.add_norm_linear`); the token
+embedding enters as the first branch and the position embedding as the first residual:
 
     hidden, residual = wte[ids], wpe[pos]
     per layer:  qkv, residual = add_ln_1_c_attn(hidden, residual); hidden = c_proj(attn(qkv))
@@ -32,9 +29,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")
 CAUSAL_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # old HF checkpoints save these
-# The tied embedding is stored with its rows padded (zeros) to a multiple of this, so each
-# logits row the lm_head writes starts 128-byte aligned: with 50257 columns cuBLAS fell back
-# to a slow sm75 kernel at batch 64-256 (6x the weight read's time).
+# the tied embedding's rows are zero-padded to a multiple of this: 128-byte aligned logits
+# rows keep cuBLAS on its fast kernels
 VOCAB_PAD = 64
 
 

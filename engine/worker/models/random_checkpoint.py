@@ -1,10 +1,8 @@
 """Random-initialised GPT-2 checkpoints in Hugging Face format, written with torch alone.
 
-Weights cannot be downloaded where tests and benchmarks run, so they use checkpoints made here:
-the same config.json + model.safetensors layout (keys prefixed "transformer.", Conv1D weights
-[in, out], lm_head tied to wte) as the real hub checkpoints, at any size, which `load_gpt2`
-(and `transformers`' GPT2LMHeadModel) loads as it loads real weights. The command line is
-scripts/make_checkpoint.py.
+The hub checkpoints' layout (config.json + model.safetensors, "transformer." keys, Conv1D
+weights [in, out], lm_head tied to wte) at any size, for tests and benchmarks that cannot
+download weights; `load_gpt2` loads them as real ones. CLI: scripts/make_checkpoint.py.
 """
 from __future__ import annotations
 
