@@ -13,6 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/kernels runs natively on CUDA")
 def test_kernels_under_triton_interpreter():
     pytest.importorskip("triton")

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from server_harness import ROOT
 
 
@@ -13,6 +15,7 @@ def bench_spec(argv: list[str]) -> None:
                    timeout=600)
 
 
+@pytest.mark.slow
 def test_bench_spec_writes_every_sweep(tiny_checkpoint, tmp_path):
     bench_spec(["--model", str(tiny_checkpoint), "--device", "cpu", "--out", str(tmp_path),
           "--rates", "0,1", "--ks", "2", "--batches", "1,2", "--batch-k", "2",

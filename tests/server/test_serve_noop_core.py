@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
+
 from server_harness import ROOT, ServerProcess
 
 
+@pytest.mark.slow
 def test_the_no_op_core_streams_through_two_api_servers(tiny_checkpoint, tmp_path,
                                                          monkeypatch):
     # `python -m serve_noop_core` finds the script and its sibling bench_host.py as

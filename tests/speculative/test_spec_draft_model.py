@@ -44,6 +44,7 @@ def check_acceptance(llm, draft, tiny_checkpoint, drafted_greedily=True):
         assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
 
 
+@pytest.mark.slow
 @EACH_SETTING
 def test_draft_model_speculation_changes_no_greedy_token(tiny_checkpoint, draft, prompts,
                                                          plain_greedy, overrides):

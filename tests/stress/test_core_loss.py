@@ -11,6 +11,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from server_harness import core_pid, wait_for
 from sse_client import client, ended_with_error, open_streams
@@ -78,6 +79,7 @@ def test_a_killed_core_ends_every_stream_and_the_server_exits_non_zero(launch):
     assert "Traceback" not in server.log()
 
 
+@pytest.mark.slow
 def test_with_two_api_servers_a_stopped_core_turns_both_unhealthy_then_exits(launch):
     server = launch("--api-server-count", "2", "--watchdog-timeout", str(WATCHDOG),
                     "--watchdog-exit-timeout", "6", "--shutdown-timeout", "2")

@@ -27,6 +27,7 @@ def server(launch):
                   "--num-kv-blocks", "2048")
 
 
+@pytest.mark.slow
 def test_600_requests_at_once_with_default_settings_all_succeed(server):
     async def burst() -> list[int]:
         async with client(server.url) as http:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from faulty_server import FAIL_PROMPT, HANG_PROMPT
 from sse_client import Stream, client, ended_with_error, open_streams
 
@@ -27,6 +29,7 @@ def test_a_failing_step_errors_every_stream_and_the_server_exits_non_zero(launch
     assert server.proc.wait(timeout=3 + 5) == 1  # a dead core: restart the server
 
 
+@pytest.mark.slow
 def test_a_hung_step_errors_every_stream_at_the_watchdog_and_the_server_exits_later(launch):
     server = launch("--watchdog-timeout", "1", "--watchdog-exit-timeout", "4",
                     "--shutdown-timeout", "2", "--num-kv-blocks", "1024", module=FAULTY)

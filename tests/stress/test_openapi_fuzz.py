@@ -28,6 +28,7 @@ def test_the_schema_documents_every_request_body(server):
     assert [path for path, op in posts.items() if "requestBody" not in op] == []
 
 
+@pytest.mark.slow
 def test_no_generated_request_gets_a_5xx(server, tmp_path):
     report = tmp_path / "report.json"
     run = subprocess.run(

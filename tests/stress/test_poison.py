@@ -102,6 +102,7 @@ def hostile_bodies(count: int, seed: int) -> list[bytes]:
     return bodies
 
 
+@pytest.mark.slow
 def test_a_fuzz_of_hostile_bodies_never_gets_a_5xx_and_leaves_the_server_at_baseline(server):
     async def send_all(bodies: list[bytes]) -> list[int]:
         async with client(server.url, timeout=60) as http:

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from server_harness import ROOT
 
 
+@pytest.mark.slow
 def test_a_short_soak_is_clean_and_reports_everything(tiny_checkpoint, tmp_path):
     server_args = "--device cpu --dtype float32 --attention-backend torch --num-kv-blocks 256"
     run = subprocess.run(

@@ -101,6 +101,7 @@ PLAIN = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True),
 FILTERED = PLAIN + [SamplingParams(top_k=5, max_tokens=20, ignore_eos=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [GREEDY, PLAIN, FILTERED], ids=["greedy", "plain", "top-k"])
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
@@ -254,6 +255,7 @@ SEEDED = [SamplingParams(temperature=1.3, seed=11, max_tokens=8, ignore_eos=True
           SamplingParams(temperature=0.9, top_k=5, seed=4, max_tokens=8, ignore_eos=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
