@@ -30,7 +30,7 @@ Prompt = str | list[int]
 class LLMEngine:
     """The engine in one process: tokenizer, OutputProcessor and EngineCore, stepped by the
     caller (the offline `LLM`, tests). The server runs the same two halves in two processes
-    (server/engine_process.py)."""
+    (server/core_main.py)."""
 
     def __init__(self, config: EngineConfig, runner=None,
                  step_times: StepTimes | None = None) -> None:
