@@ -1,2 +1,2 @@
 """The engine's core: requests, the scheduler/runner contract, the block manager, the scheduler
-and the config. Pure Python, no torch (tests/test_layers.py checks), testable on its own."""
+and the config. Pure Python, no torch (tests/core/test_import_graph.py checks), testable on its own."""
