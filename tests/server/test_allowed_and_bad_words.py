@@ -30,11 +30,6 @@ def server(tiny_checkpoint, tmp_path_factory):
     proc.stop()
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
-
 
 def post(http: httpx.Client, path: str, **body) -> dict:
     response = http.post(path, json={"model": "tiny", "ignore_eos": True, **body})

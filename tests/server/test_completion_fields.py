@@ -29,11 +29,6 @@ def server(tiny_checkpoint, tmp_path_factory):
     proc.stop()
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-
 
 @pytest.fixture(scope="module")
 def tok():

@@ -28,15 +28,6 @@ def server(tiny_checkpoint, tmp_path_factory):
     proc.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 def sse_events(response: httpx.Response) -> list[str]:
