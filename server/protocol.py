@@ -60,7 +60,7 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: StrictBool | None = False
+    include_usage: StrictBool | None = True  # vLLM's default: stream_options {} asks for usage
     continuous_usage_stats: StrictBool | None = False  # usage in every chunk too
 
 

@@ -249,7 +249,7 @@ def test_the_vllm_extras_this_server_implements_parse():
         "prompt": "x", "stream": True, "truncate_prompt_tokens": 1024, "return_token_ids": True,
         "return_tokens_as_token_ids": True,
         "stream_options": {"continuous_usage_stats": True}}, LIMITS)
-    assert req.continuous_usage and not req.include_usage
+    assert req.continuous_usage and req.include_usage  # left out, include_usage is true
     assert req.return_token_ids and req.return_tokens_as_token_ids
     assert req.truncate_prompt_tokens == 1024
 

@@ -81,10 +81,11 @@ def test_finish_reason_only_on_the_last_chunk_of_each_choice(http):
     assert seen_finish == {0, 1, 2, 3}
 
 
-def test_include_usage_chunk_comes_last_before_done(client):
+@pytest.mark.parametrize("options", [{"include_usage": True}, {}])  # vLLM's default: usage
+def test_include_usage_chunk_comes_last_before_done(client, options):
     chunks = list(client.completions.create(model="tiny", prompt="Hi there", max_tokens=6,
                                             stream=True, temperature=0,
-                                            stream_options={"include_usage": True},
+                                            stream_options=options,
                                             extra_body={"ignore_eos": True}))
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
