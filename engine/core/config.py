@@ -181,6 +181,11 @@ class EngineConfig:
             _spec_check(k + 1 <= budget, "num_speculative_tokens", k,
                    f"k + 1 must fit max_num_batched_tokens ({budget})")
 
+    @property
+    def max_drafts(self) -> int:
+        """Drafts a sequence may carry in a step: k, or 0 without speculation."""
+        return self.speculative.num_speculative_tokens if self.speculative else 0
+
     @classmethod
     def from_flat(cls, base: EngineConfig | None = None, **overrides: Any) -> EngineConfig:
         """Apply flat overrides (`block_size=32`, `dtype="float16"`) to the section owning each;

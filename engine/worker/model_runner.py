@@ -56,8 +56,7 @@ class ModelRunner:
         log.info("loaded %s (%s, %s, %s attention) with its kernels in %.1f s", model_dir,
                  self.device, self.dtype, self.attention_backend, time.perf_counter() - start)
         self.block_size = config.cache.block_size
-        spec = config.speculative
-        self.max_drafts = spec.num_speculative_tokens if spec else 0
+        self.max_drafts = config.max_drafts
         self.graph_plan = GraphPlan.of(config)
         self.max_blocks_per_seq = -(-config.scheduler.max_model_len // self.block_size)
         self.num_kv_blocks = 0

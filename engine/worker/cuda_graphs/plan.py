@@ -37,12 +37,11 @@ class GraphPlan:
 
     @classmethod
     def of(cls, config: EngineConfig) -> GraphPlan:
-        sched, spec = config.scheduler, config.speculative
+        sched = config.scheduler
         mixed = (mixed_capture_sizes(sched.max_num_batched_tokens)
                  if config.model.mixed_step_graphs else [])
-        max_drafts = spec.num_speculative_tokens if spec else 0
         return cls(tuple(capture_sizes(sched.max_num_seqs)), tuple(mixed),
-                   sched.max_num_seqs * (max_drafts + 1))
+                   sched.max_num_seqs * (config.max_drafts + 1))
 
     def linear_row_counts(self) -> list[int]:
         """The decode sizes, twice each (a draft model's chain starts with two token rows a
