@@ -2,7 +2,7 @@
 from engine.core.messages import EngineStats
 from engine.llm import LLM, LLMEngine
 from engine.output.outputs import CompletionOutput, RequestOutput
-from engine.core.request import SamplingParams
+from engine.core.request import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineStats", "SamplingParams", "RequestOutput",
-           "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineStats", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput"]

@@ -15,6 +15,7 @@ from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.speculative.speculator import build_speculator
 from engine.speculative.switch import StepTimes
+from engine.structured.manager import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +58,12 @@ def build_engine_core(config: EngineConfig, runner=None,
     times say nothing of a GPU's); without them every step speculates."""
     if runner is None:
         runner = build_runner(config)
-        step_times = _measured_step_times(config, runner)
-    return EngineCore(config, runner, build_speculator(config, step_times))
+        step_times = measured_step_times(config, runner)
+    return EngineCore(config, runner, build_speculator(config, step_times),
+                      StructuredOutputs())
 
 
-def _measured_step_times(config: EngineConfig, runner) -> StepTimes | None:
+def measured_step_times(config: EngineConfig, runner) -> StepTimes | None:
     spec = config.speculative
     if spec is None:
         return None

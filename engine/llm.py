@@ -12,17 +12,20 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
+from engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams,
+                                BeamSearchSequence, step_result)
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig, load_config
 from engine.build import build_engine_core
 from engine.core.messages import ENGINE_COUNTERS, EngineStats
 from engine.core.request import SamplingParams
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, check_fits
 from engine.output.outputs import RequestOutput
 from engine.output.processor import OutputProcessor
 from engine.output.tokenizer import Tokenizer
 from engine.speculative.stats import Counter, Vector
 from engine.speculative.switch import StepTimes
+from engine.structured.grammar import check as check_structured_outputs
 
 Prompt = str | list[int]
 
@@ -44,6 +47,8 @@ class LLMEngine:
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Validate and queue a request. Raises ValueError with a clear message on bad input.
         cache_salt: see OutputProcessor.add."""
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
         token_ids = self.tokenizer.encode_prompt(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         sequences = self.processor.add(request_id, prompt if isinstance(prompt, str) else None,
@@ -67,6 +72,11 @@ class LLMEngine:
         text aborts its sequence in the core."""
         outputs, to_abort = self.processor.process(self.core.step())
         self.core.abort(to_abort)
+        if self.core.failed:  # a grammar that passed its check but did not compile
+            failed, self.core.failed = self.core.failed, []
+            for failure in failed:
+                self.processor.abort(failure.seq_id.rsplit("#", 1)[0])
+            raise RuntimeError("; ".join(f"{f.seq_id}: {f.message}" for f in failed))
         return outputs
 
     def stats(self) -> EngineStats:
@@ -110,6 +120,46 @@ class LLM:
             self._next_id += 1
             self.engine.add_request(ids[-1], prompt, p)
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search (engine/beam_search.py): one BeamSearchOutput per
+        prompt, in order. A step runs one one-token request per live beam of every prompt,
+        all together. Each sequence's `text` is its tokens' text, the prompt's included (as
+        vLLM's), a final EOS left out. Raises ValueError if a prompt plus max_tokens cannot
+        fit the context or the KV pool."""
+        from tqdm import tqdm
+
+        searches = [self._start_beam_search(prompt, params)
+                    for prompt in _as_prompt_list(prompts)]
+        live = list(searches)
+        with tqdm(total=params.max_tokens, desc="beam search", unit="step",
+                  disable=not use_tqdm) as bar:
+            while live:
+                self._beam_step(live)
+                live = [search for search in live if not search.finished]
+                bar.update(1)
+        return [BeamSearchOutput(self._with_text(search.result())) for search in searches]
+
+    def _start_beam_search(self, prompt: Prompt, params: BeamSearchParams) -> BeamSearch:
+        token_ids = self.engine.tokenizer.encode_prompt(prompt)
+        check_fits(len(token_ids), params.max_tokens, self.engine.config.scheduler.max_model_len,
+                   self.engine.block_manager.num_tokens)
+        return BeamSearch(token_ids, params)
+
+    def _beam_step(self, searches: list[BeamSearch]) -> None:
+        """One step of every search: their beams' one-token requests run as one batch."""
+        batches = [(search, search.requests()) for search in searches]
+        outputs = iter(self.generate([tokens for _, batch in batches for tokens in batch],
+                                     [search.step_params for search, batch in batches
+                                      for _ in batch], use_tqdm=False))
+        for search, batch in batches:
+            search.advance([step_result(next(outputs)) for _ in batch])
+
+    def _with_text(self, sequences: list[BeamSearchSequence]) -> list[BeamSearchSequence]:
+        for seq in sequences:
+            seq.text = self.engine.tokenizer.decode(seq.text_token_ids(with_prompt=True))
+        return sequences
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm

@@ -1,7 +1,8 @@
 """Soak test: hours of mixed traffic in minutes. Drives a running server (--url) or starts
 `python -m server` itself (--model), for --minutes, with a mix of workloads: streaming and
-whole completions (several prompts, n > 1, logprobs, shared prefixes), clients that hang up
-mid-stream, and bad inputs that must get a 4xx (among them the reliability attacks: numbers
+whole completions (several prompts, n > 1, logprobs, shared prefixes), structured outputs
+(a JSON schema, a regex, choices: a finished output must satisfy its constraint), clients
+that hang up mid-stream, and bad inputs that must get a 4xx (among them the reliability attacks: numbers
 past int64, a lone surrogate, bytes that are not UTF-8, a non-JSON content type, a body past
 the size cap). Every second it samples /metrics (vLLM names: KV-cache usage, running and
 waiting requests), /health, and the RSS and GPU memory of the server's processes (the API
@@ -48,6 +49,26 @@ FATAL = ("5xx", "transport", "lost", "4xx_on_valid_input")  # outcomes that fail
 HUGE = 10**30  # past int64: msgpack cannot encode it, so it must not get past validation
 
 
+def _is_answer(text: str) -> bool:
+    value = json.loads(text)
+    return set(value) == {"answer", "n"} and value["answer"] in ("yes", "no") \
+        and value["n"] in range(10)
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                 "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                 "required": ["answer", "n"], "additionalProperties": False}
+# (name, request fields, what a finished output satisfies)
+STRUCTURED = [
+    ("json_schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "answer", "schema": ANSWER_SCHEMA}}}, _is_answer),
+    ("regex", {"guided_regex": r"\d{3}-[a-z]{2,8}"},
+     lambda text: re.fullmatch(r"\d{3}-[a-z]{2,8}", text) is not None),
+    ("choice", {"structured_outputs": {"choice": ["red", "green", "blue"]}},
+     lambda text: text in ("red", "green", "blue")),
+]
+
+
 def bad_inputs(max_model_len: int, max_body_bytes: int
                ) -> list[tuple[str, dict[str, Any], float]]:
     """(name, httpx request kwargs, weight) of inputs the server must refuse with a 4xx."""
@@ -64,6 +85,7 @@ def bad_inputs(max_model_len: int, max_body_bytes: int
         ("unknown_model", {**post, "json": {"prompt": "x", "model": "no-such-model"}}),
         ("too_long", {**post, "json": {"prompt": [1] * (max_model_len + 1), "max_tokens": 1}}),
         ("n_zero", {**post, "json": {"prompt": "x", "n": 0}}),
+        ("bad_regex", {**post, "json": {"prompt": "x", "guided_regex": "(ab"}}),
         ("wrong_type", {**post, "json": {"prompt": {"a": 1}, "temperature": "hot"}}),
         ("wrong_method", {"method": "GET", "url": "/v1/completions"}),
         ("top_k_past_int64", {**post, "json": {"prompt": "hi", "top_k": HUGE}}),
@@ -109,9 +131,9 @@ class Soak:
 
     # ---------------------------------------------------------------- workloads
     async def worker(self, http: httpx.AsyncClient) -> None:
-        kinds = ["stream", "complete", "disconnect", "bad"]
+        kinds = ["stream", "complete", "disconnect", "bad", "structured"]
         while time.monotonic() < self.deadline:
-            kind = self.rng.choices(kinds, weights=[35, 25, 25, 15])[0]
+            kind = self.rng.choices(kinds, weights=[30, 20, 25, 10, 15])[0]
             began = time.monotonic()
             record: dict[str, Any] = {"kind": kind, "ttft": None}
             try:
@@ -167,6 +189,23 @@ class Soak:
         choices = response.json()["choices"]
         if len(choices) != len(prompts) * body["n"]:
             return "lost:missing_choices"
+        return "ok"
+
+    async def structured(self, http: httpx.AsyncClient, record: dict[str, Any],
+                         began: float) -> str:
+        """A JSON schema, regex or choice constraint; a finished output must satisfy it."""
+        kind, constraint, valid = self.rng.choice(STRUCTURED)
+        record["kind"] = f"structured:{kind}"
+        body = {"prompt": self._prompt(), **self._params(), **constraint}
+        body.update(max_tokens=256, ignore_eos=False)
+        response = await http.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            record["detail"] = response.text[:300]
+            return _status_outcome(response.status_code, valid=True)
+        [choice] = response.json()["choices"]
+        if choice["finish_reason"] == "stop" and not valid(choice["text"]):
+            record["detail"] = choice["text"][:300]
+            return "lost:invalid_structured_output"
         return "ok"
 
     async def bad(self, http: httpx.AsyncClient, record: dict[str, Any], began: float) -> str:

@@ -32,9 +32,10 @@ from server.engine_client import Generation
 from server.chat_template import compile_template, render_chat
 from server.completions import (CompletionService, collect_outputs, merge_deltas,
                                 off_loop_if_long, sse_event, stream_events)
-from server.protocol import (INT64_MAX, CompletionRequest, Limits, RequestError, Usage,
-                             check_field_support, finite_logprob, parse_completion_request,
-                             parse_model, prompt_tokens_kept, truncate_prompts)
+from server.protocol import (INT64_MAX, CompletionRequest, Limits, PromptLogprobsJSON,
+                             RequestError, Usage, check_field_support, finite_logprob,
+                             parse_completion_request, parse_model, prompt_logprobs_json,
+                             prompt_tokens_kept, truncate_prompts)
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 RESPONSE_ROLE = "assistant"
@@ -47,7 +48,9 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "n", "best_of", "stream", "str
                  "stop_token_ids", "allowed_token_ids", "bad_words",
                  "include_stop_str_in_output", "cache_salt", "priority", "request_id",
                  "add_special_tokens", "truncate_prompt_tokens", "return_token_ids",
-                 "return_tokens_as_token_ids")
+                 "return_tokens_as_token_ids", "response_format", "structured_outputs",
+                 "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "guided_decoding_backend", "prompt_logprobs")
 NO_TEMPLATE = ("this model has no chat template: start the server with --chat-template "
                "FILE_OR_TEMPLATE (a Jinja template, as in a tokenizer_config.json)")
 
@@ -178,7 +181,7 @@ def _check_prompt_flags(req: ChatPromptFields) -> None:
 def completion_request(req: ChatCompletionRequest, prompt: list[int],
                        limits: Limits) -> CompletionRequest:
     """The completion request this chat request amounts to, checked as one."""
-    body = req.model_dump(include=set(SHARED_FIELDS) & req.model_fields_set)
+    body = req.model_dump(include=set(SHARED_FIELDS) & req.model_fields_set, by_alias=True)
     body["max_tokens"] = _max_tokens(req)  # null: the rest of the context
     body["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     body["prompt"] = prompt
@@ -231,7 +234,8 @@ class ChatService:
             completion = completion_request(req, prompt, limits)
             [prompt] = truncate_prompts([prompt], prompt_tokens_kept(completion,
                                                                      limits.max_model_len))
-            params = self.completions.sampling_params(completion, [prompt])
+            structured = await self.completions.structured_outputs(completion)
+            params = self.completions.sampling_params(completion, [prompt], structured)
             generation, watcher = self.completions.submit(http_request, engine_id, [prompt],
                                                           params, req.cache_salt,
                                                           req.priority or 0)
@@ -332,6 +336,8 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids
+    # vLLM's prompt_logprobs, when asked for (never streamed)
+    prompt_logprobs: PromptLogprobsJSON | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -390,7 +396,8 @@ class _ChatReply:
         response = ChatCompletionResponse(id=self.response_id, created=self.created,
                                           model=self.service.model_name, choices=choices,
                                           usage=self.usage(),
-                                          prompt_token_ids=self._token_ids(self.prompt))
+                                          prompt_token_ids=self._token_ids(self.prompt),
+                                          prompt_logprobs=self._prompt_logprobs(finals[0]))
         return Response(msgspec.json.encode(response), media_type="application/json")
 
     def stream(self, generation: Generation,
@@ -453,6 +460,12 @@ class _ChatReply:
         completion = self.completion_tokens.get(index, 0)
         return Usage(prompt_tokens=len(self.prompt), completion_tokens=completion,
                      total_tokens=len(self.prompt) + completion)
+
+    def _prompt_logprobs(self, output: RequestOutput) -> PromptLogprobsJSON | msgspec.UnsetType:
+        """prompt_logprobs: the rendered prompt's; otherwise the field stays out of the JSON."""
+        if self.req.prompt_logprobs is None or output.prompt_logprobs is None:
+            return msgspec.UNSET
+        return prompt_logprobs_json(output.prompt_logprobs)
 
     def _token_ids(self, token_ids: list[int]) -> list[int] | msgspec.UnsetType:
         """return_token_ids: these ids; otherwise the field stays out of the JSON."""

@@ -4,7 +4,9 @@ A request's prompts become one engine request each (`n` choices fan out inside t
 choice `j` of prompt `i` is reported as index `i * n + j`, as OpenAI does. A disconnect
 watcher reads the ASGI receive channel, so a client that goes away is noticed at once, even
 while its request is still queued and producing nothing, and its engine requests are aborted.
-With max_tokens 0 and echo, the prompts are the answer and the engine never sees them.
+With max_tokens 0 and echo, the prompts are the answer: the engine never sees them unless their
+logprobs are asked for (logprobs, or prompt_logprobs), which it then computes without
+generating anything (SamplingParams.max_tokens 0).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core.batch import TokenLogprobs
-from engine.core.request import SamplingParams
+from engine.core.request import SamplingParams, StructuredOutputsParams
 from engine.core.scheduler import check_fits
 from engine.output.outputs import CompletionOutput, RequestOutput
 from engine.output.tokenizer import Tokenizer
@@ -28,7 +30,9 @@ from server.engine_client import EngineClient, ClientDisconnected, Generation, R
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, Limits, RequestError, Usage, finite_logprob,
                              max_tokens_of, parse_completion_request, parse_prompt,
-                             prompt_tokens_kept, to_sampling_params, truncate_prompts)
+                             prompt_logprobs_json, prompt_logprobs_of, prompt_tokens_kept,
+                             to_sampling_params, truncate_prompts)
+from server.structured_outputs import SpecError, checked_spec
 
 SSE_DONE = b"data: [DONE]\n\n"
 T = TypeVar("T")
@@ -56,9 +60,9 @@ class CompletionService:
         # vLLM's request_id field names the response
         response_id = f"cmpl-{req.request_id}" if req.request_id else engine_id
         reply = _Reply(self, req, response_id, prompts)
-        if max_tokens_of(req) == 0:  # the parser allows it with echo only
+        if max_tokens_of(req) == 0 and prompt_logprobs_of(req) is None:  # echo only
             return reply.prompt_only()
-        params = self.sampling_params(req, prompts)
+        params = self.sampling_params(req, prompts, await self.structured_outputs(req))
         generation, watcher = self.submit(http_request, engine_id, prompts, params,
                                           req.cache_salt, req.priority or 0)
         if req.stream:
@@ -94,18 +98,31 @@ class CompletionService:
         except ValueError as exc:
             raise RequestError(f"prompt could not be used: {exc}", param="prompt") from None
 
-    def sampling_params(self, req: CompletionRequest,
-                        prompts: list[list[int]]) -> SamplingParams | list[SamplingParams]:
+    def sampling_params(self, req: CompletionRequest, prompts: list[list[int]],
+                        structured: StructuredOutputsParams | None = None
+                        ) -> SamplingParams | list[SamplingParams]:
         """One SamplingParams for every prompt, or with max_tokens null one per prompt, each
-        up to the end of the context (vLLM's rule)."""
+        up to the end of the context (vLLM's rule). `structured`: the request's checked
+        constraint (structured_outputs)."""
         try:
             params = to_sampling_params(req, self.limits.vocab_size)
         except ValueError as exc:  # SamplingParams names the field first
             raise RequestError(str(exc), param=str(exc).split()[0]) from None
+        if structured is not None:
+            params = replace(params, structured_outputs=structured)
         if max_tokens_of(req) is not None:
             return params
         return [replace(params, max_tokens=max(1, self.limits.max_model_len - len(prompt)))
                 for prompt in prompts]
+
+    async def structured_outputs(self, req: CompletionRequest
+                                 ) -> StructuredOutputsParams | None:
+        """The request's constraint, compiled once as a check: a 400 naming the field when
+        it cannot be."""
+        try:
+            return await checked_spec(req)
+        except SpecError as err:
+            raise RequestError(str(err), param=err.param) from None
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -217,8 +234,9 @@ class _Reply:
         return self._whole_response(finals)
 
     def prompt_only(self) -> Response:
-        """max_tokens 0 with echo: every choice is its prompt, finished by "length", nothing
-        generated. A prompt longer than the context is still refused, as vLLM does."""
+        """max_tokens 0 with echo, no logprobs asked for: every choice is its prompt, finished
+        by "length", nothing generated. A prompt longer than the context is still refused, as
+        vLLM does."""
         max_model_len = self.service.limits.max_model_len
         for prompt in self.prompts:
             try:
@@ -284,10 +302,12 @@ class _Reply:
         prefix = self._echo_prefix(prompt_index, first)
         return CompletionChoice(index=index, text=prefix + choice.text,
                                 logprobs=self._logprobs(index, choice.token_ids,
-                                                        choice.logprobs, len(prefix)),
+                                                        choice.logprobs, len(prefix),
+                                                        self._echoed(prompt_index, first)),
                                 finish_reason=choice.finish_reason,
                                 stop_reason=choice.stop_reason,
-                                **self._token_ids(prompt_index, first, choice.token_ids))
+                                **self._token_ids(prompt_index, first, choice.token_ids),
+                                **self._prompt_logprobs(prompt_index))
 
     def _delta_choice(self, prompt_index: int,
                       choice: CompletionOutput) -> CompletionChoice | None:
@@ -305,7 +325,7 @@ class _Reply:
         return CompletionChoice(
             index=index, text=prefix + choice.delta_text,
             logprobs=self._logprobs(index, choice.delta_token_ids, choice.delta_logprobs,
-                                    len(prefix)),
+                                    len(prefix), self._echoed(prompt_index, first)),
             finish_reason=choice.finish_reason if finishing else None,
             stop_reason=choice.stop_reason if finishing else None,
             **self._token_ids(prompt_index, first, choice.delta_token_ids))
@@ -317,9 +337,20 @@ class _Reply:
         return first
 
     def _echo_prefix(self, prompt_index: int, first: bool) -> str:
-        if not (self.req.echo and first):
+        if self._echoed(prompt_index, first) is None:
             return ""
         return self.service.tokenizer.decode(self.prompts[prompt_index])
+
+    def _echoed(self, prompt_index: int, first: bool) -> int | None:
+        """The prompt this chunk echoes (with echo, a choice's first chunk), or None."""
+        return prompt_index if self.req.echo and first else None
+
+    def _prompt_logprobs(self, prompt_index: int) -> dict[str, Any]:
+        """vLLM's prompt_logprobs field, where the engine computed them."""
+        entries = self.finals[prompt_index].prompt_logprobs
+        if prompt_logprobs_of(self.req) is None or entries is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs_json(entries)}
 
     def _token_ids(self, prompt_index: int, first: bool,
                    token_ids: list[int]) -> dict[str, list[int]]:
@@ -330,13 +361,24 @@ class _Reply:
         return {"prompt_token_ids": self.prompts[prompt_index], **ids} if first else ids
 
     def _logprobs(self, index: int, token_ids: list[int],
-                  logprobs: list[TokenLogprobs | None] | None,
-                  skip: int) -> CompletionLogprobs | None:
+                  logprobs: list[TokenLogprobs | None] | None, skip: int,
+                  echoed: int | None = None) -> CompletionLogprobs | None:
+        """OpenAI's logprobs of these tokens, their text offsets `skip` characters on. With
+        `echoed`, that prompt's tokens come first, offsets from 0, with their prompt logprobs
+        (none for the first token: nothing precedes it), as OpenAI and vLLM echo them."""
         if self.req.logprobs is None:
             return None
-        offset = self.text_offsets.get(index, 0) + skip
         result = CompletionLogprobs()
-        for token_id, entry in zip(token_ids, logprobs or []):
+        if echoed is not None:
+            self._add_logprobs(result, self.prompts[echoed], self._prompt_entries(echoed), 0)
+        self.text_offsets[index] = self._add_logprobs(
+            result, token_ids, logprobs or [], self.text_offsets.get(index, 0) + skip)
+        return result
+
+    def _add_logprobs(self, result: CompletionLogprobs, token_ids: list[int],
+                      logprobs: list[TokenLogprobs | None], offset: int) -> int:
+        """Append these tokens' entries to `result`; returns the offset past them."""
+        for token_id, entry in zip(token_ids, logprobs):
             name = self._token_name(token_id)
             result.tokens.append(name)
             result.text_offset.append(offset)  # into the text, whatever the tokens' names
@@ -344,8 +386,17 @@ class _Reply:
             result.token_logprobs.append(
                 None if entry is None else finite_logprob(entry.token_logprob))
             result.top_logprobs.append(None if entry is None else self._top(entry, name))
-        self.text_offsets[index] = offset
-        return result
+        return offset
+
+    def _prompt_entries(self, prompt_index: int) -> list[TokenLogprobs | None]:
+        """The prompt's logprobs, one entry per token, each with every token of its position
+        (the token itself and the top-k)."""
+        prompt = self.prompts[prompt_index]
+        entries = self.finals[prompt_index].prompt_logprobs or [None] * len(prompt)
+        return [None if entry is None else
+                TokenLogprobs(entry[token].logprob, list(entry),
+                              [lp.logprob for lp in entry.values()])
+                for token, entry in zip(prompt, entries)]
 
     def _token_name(self, token_id: int) -> str:
         """A logprob token's text, or with return_tokens_as_token_ids "token_id:<id>" (two

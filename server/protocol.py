@@ -20,7 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
     ValidationError
 
 from engine.core.request import MAX_LOGPROBS, SamplingParams
+from engine.output.outputs import PromptLogprobsList
 from engine.output.tokenizer import Tokenizer, check_token_ids, is_token_list
+from server.structured_outputs import StructuredFields
 
 LOGIT_BIAS_LIMIT = 100.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -64,8 +66,9 @@ class StreamOptions(_Strict):
     continuous_usage_stats: StrictBool | None = False  # usage in every chunk too
 
 
-class CompletionRequest(_Strict):
-    """POST /v1/completions. `None` means "use the default", as OpenAI clients send nulls."""
+class CompletionRequest(_Strict, StructuredFields):
+    """POST /v1/completions. `None` means "use the default", as OpenAI clients send nulls.
+    The structured-output fields come from server/structured_outputs.py."""
     model: str | None = None
     prompt: Any = None
     max_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] | None = None  # 0: echo only
@@ -102,6 +105,8 @@ class CompletionRequest(_Strict):
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
     return_token_ids: StrictBool | None = None  # choices carry prompt_token_ids, token_ids
     return_tokens_as_token_ids: StrictBool | None = None  # logprob tokens as "token_id:<id>"
+    # each prompt token's logprob and the top-k at its position (each choice's prompt_logprobs)
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -170,16 +175,13 @@ def request_body_schema(model_cls: type[BaseModel]) -> dict[str, Any]:
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not implemented"),
     "length_penalty": ((1.0, 1), "length_penalty applies to beam search, not implemented"),
-    "prompt_logprobs": ((), "prompt logprobs are not implemented"),
     "logits_processors": (([],), "custom logits processors are not supported"),
     # GPT-2's one special token, <|endoftext|>, is left out of the text (vLLM's default,
     # skip_special_tokens=True); spacing between specials is then moot
     "skip_special_tokens": ((True,), "<|endoftext|> never enters the text"),
     "spaces_between_special_tokens": ((True, False), "it takes true or false"),
-    **{name: ((), "structured outputs are not implemented") for name in (
-        "response_format", "structured_outputs", "guided_json", "guided_regex",
-        "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern")},
+    "guided_whitespace_pattern": ((), "xgrammar takes no whitespace pattern; "
+                                  "structured_outputs.disable_any_whitespace is its option"),
     **{name: ((), f"{name} is not supported") for name in (
         "kv_transfer_params", "vllm_xargs", "prompt_embeds")},
 }
@@ -256,10 +258,9 @@ def _check_cross_fields(req: CompletionRequest, limits: Limits) -> None:
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options is only allowed when stream is true",
                            param="stream_options")
-    if req.echo and req.logprobs is not None:
-        raise RequestError("echo with logprobs is not supported: the echoed prompt would need "
-                           "prompt logprobs, which this server does not compute; send echo "
-                           "or logprobs, not both", param="echo")
+    if req.stream and req.prompt_logprobs:  # vLLM's rule: 0 computes them and sends none
+        raise RequestError("`prompt_logprobs` are not available when `stream=True`.",
+                           param="prompt_logprobs")
     limit = max_tokens_of(req)
     if limit == 0 and not req.echo:
         raise RequestError("max_tokens must be at least 1, got 0 (0 is allowed with echo=true "
@@ -386,7 +387,8 @@ def check_tokens_in_vocab(tokens: list[int], vocab_size: int, param: str) -> Non
 def to_sampling_params(req: CompletionRequest, vocab_size: int) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     return SamplingParams(
-        n=req.n or 1, max_tokens=max_tokens_of(req) or 1,  # null: the caller's, per prompt
+        n=req.n or 1, max_tokens=_default(max_tokens_of(req), 1),  # null: the caller's
+        prompt_logprobs=prompt_logprobs_of(req),
         temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
         top_k=_default(req.top_k, -1), min_p=_default(req.min_p, 0.0), seed=req.seed,
         stop=tuple(stop), stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -409,6 +411,14 @@ def max_tokens_of(req: CompletionRequest) -> int | None:
     if req.max_tokens is None and "max_tokens" in req.model_fields_set:
         return None
     return _default(req.max_tokens, 16)
+
+
+def prompt_logprobs_of(req: CompletionRequest) -> int | None:
+    """The top-k of the prompt logprobs the engine computes: prompt_logprobs, or with echo
+    the logprobs, which then cover the echoed prompt too (vLLM's rule); None: none."""
+    if req.prompt_logprobs is None and req.echo:
+        return req.logprobs
+    return req.prompt_logprobs
 
 
 def _default(value: Any, default: Any) -> Any:
@@ -439,6 +449,27 @@ class CompletionChoice(msgspec.Struct):
     stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    # vLLM's, whenever the engine computed them (prompt_logprobs, or echo with logprobs);
+    # never streamed
+    prompt_logprobs: PromptLogprobsJSON | msgspec.UnsetType = msgspec.UNSET
+
+
+class PromptLogprob(msgspec.Struct):
+    """One token of one position of vLLM's prompt_logprobs."""
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# None for the first prompt token, then per token a map from token ids (JSON keys: strings)
+PromptLogprobsJSON = list[dict[int, PromptLogprob] | None]
+
+
+def prompt_logprobs_json(entries: PromptLogprobsList) -> PromptLogprobsJSON:
+    """The engine's prompt logprobs as vLLM answers them, logprobs made finite."""
+    return [None if entry is None else
+            {token: PromptLogprob(finite_logprob(lp.logprob), lp.rank, lp.decoded_token)
+             for token, lp in entry.items()} for entry in entries]
 
 
 class Usage(msgspec.Struct):

@@ -12,8 +12,23 @@ runner. Block layout of one sequence (block_size 4, 10 tokens computed, 3 new: 1
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.request import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+@dataclass(frozen=True)
+class PromptLogprobsJob:
+    """Prompt positions of one sequence whose next-token logprobs a step reports: its new
+    tokens' rows first_row, first_row + 1, ..., one per target; target_ids[i] is the prompt
+    token that follows row first_row + i, whose logprob and rank the runner reports, with the
+    num_top likeliest tokens at that row."""
+    first_row: int
+    target_ids: tuple[int, ...]
+    num_top: int
 
 
 @dataclass(slots=True)  # built per sequence per step: slots, not frozen, for speed; read-only
@@ -32,6 +47,8 @@ class ScheduledSequence:
     # the last num_drafts of token_ids are guesses: the runner samples at each and at the token
     # before them, and reports the accepted ones (RunnerOutput.accepted_drafts)
     num_drafts: int = 0
+    # prompt positions among token_ids whose logprobs this step reports (None: none)
+    prompt_logprobs: PromptLogprobsJob | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -62,6 +79,8 @@ class SchedulerOutput:
     num_draft_tokens: int = 0  # the sequences' num_drafts summed (0: a step without drafts)
     # a request here may speculate next: apply this step before scheduling the next
     apply_before_next: bool = False
+    # some sequence has a PromptLogprobsJob: the one flag a step without any checks
+    has_prompt_logprobs: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -73,11 +92,34 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class GrammarMask:
+    """The tokens each constrained row of a step may sample (engine/structured/): its rows are
+    the step's sample=True sequences with structured_outputs, in the step's order. Bit t % 32
+    of word t // 32 of a row is 1 when token t keeps the row's constraint satisfiable."""
+    request_ids: list[str]
+    bitmask: np.ndarray  # int32 [len(request_ids), ceil(vocab / 32)]
+
+
+@dataclass(frozen=True)
 class TokenLogprobs:
     """The sampled token's logprob and the top-k alternatives (raw model logprobs)."""
     token_logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """What one step computed for a run of prompt tokens (raw model logprobs, column-wise):
+    prompt token `first_index + i` has logprob token_logprobs[i] given the tokens before it,
+    and rank ranks[i] (how many tokens are at least as likely, itself included: 1 is the
+    likeliest), and top_token_ids[i] / top_logprobs[i] are the likeliest tokens at its
+    position, most likely first. Prompt token 0 never has any: nothing precedes it."""
+    first_index: int
+    token_logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
 
 
 @dataclass(frozen=True)
@@ -90,3 +132,5 @@ class RunnerOutput:
     logprobs: list[TokenLogprobs | None]
     # the leading drafts the target accepted, per sequence; empty: the step had no drafts
     accepted_drafts: list[list[int]] = field(default_factory=list)
+    # request id -> its PromptLogprobsJob's results, for every sequence that had one
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

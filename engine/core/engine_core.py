@@ -8,29 +8,56 @@ runs in the caller's process (offline `LLM`) or its own (server/core_main.py).
 With async_scheduling off, each step is applied before step() returns. A step flagged
 `apply_before_next` (a request in it may speculate) is applied before the next is scheduled:
 wait N ─▶ update N ─▶ schedule N+1 ─▶ launch N+1 (docs/speculative.md section 4).
+
+A step with structured-output rows samples last: its forward is launched, step N is applied
+(the grammars take its tokens), then the rows' mask is built and the step samples:
+schedule N+1 ─▶ launch N+1's forward ─▶ wait N ─▶ update N ─▶ mask ─▶ sample N+1. A
+constrained sequence waits outside the scheduler until its grammar has compiled.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
+from engine.core.batch import GrammarMask, PromptLogprobs, ScheduledSequence
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
                                   EngineStats, FromCore, SequenceFailed, SequenceOutput,
                                   Shutdown, StepOutput, ToCore)
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler, Speculator
+from engine.core.request import Request, RequestStatus, StructuredOutputsParams
+from engine.core.scheduler import Scheduler, Speculator, check_fits
 
 log = logging.getLogger(__name__)
 IDLE_WAIT = 0.2  # seconds an idle core waits for work before it says it is alive
+COMPILE_WAIT = 0.005  # seconds a core with nothing but compiling grammars waits per step
+
+
+class Grammars(Protocol):
+    """Structured outputs as the core uses them (engine/structured/manager.py)."""
+
+    def submit(self, seq_id: str, spec: StructuredOutputsParams) -> None: ...
+
+    # (seq id, None: ready | an error message) for each compile that ended
+    def take_compiled(self, timeout: float = 0.0) -> list[tuple[str, str | None]]: ...
+
+    def mask(self, sequences: list[ScheduledSequence]) -> GrammarMask: ...
+
+    def advance(self, request: Request) -> bool: ...  # True: the constraint is complete
+
+    def release(self, seq_id: str) -> None: ...
+
+    def __contains__(self, seq_id: str) -> bool: ...  # it has a matcher
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner, speculator: Speculator | None = None
-                 ) -> None:
+    def __init__(self, config: EngineConfig, runner, speculator: Speculator | None = None,
+                 grammars: Grammars | None = None) -> None:
         """`runner`: a ModelRunner (engine/build.py builds both) or a test's fake with its
-        `num_kv_blocks` and `launch(SchedulerOutput) -> pending with .wait()`."""
+        `num_kv_blocks` and `launch(SchedulerOutput) -> pending with .wait()` (and, for
+        structured outputs, `.needs_mask` and `.sample(GrammarMask)`). Without `grammars`
+        a structured-output request is refused."""
         self.config = config
         self.runner = runner
         self.block_manager = BlockManager(runner.num_kv_blocks, config.cache.block_size,
@@ -38,58 +65,123 @@ class EngineCore:
         self.speculator = speculator
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    speculator=self.speculator)
+        self.grammars = grammars
+        self._compiling: dict[str, Request] = {}  # waiting for their grammar
+        self.failed: list[SequenceFailed] = []  # sequences ended by the core, to be reported
         self._in_flight = None  # (SchedulerOutput, pending result) of the launched step
         self._num_sent: dict[str, int] = {}  # seq id -> output tokens already reported
 
     def add(self, request: CoreRequest) -> None:
         """Queue a sequence. Raises ValueError with a clear message on bad input."""
-        self.scheduler.add(Request(request.seq_id, request.prompt_token_ids, request.params,
-                                   arrival_time=request.arrival_time,
-                                   cache_salt=request.cache_salt,
-                                   priority=request.priority))
+        seq = Request(request.seq_id, request.prompt_token_ids, request.params,
+                      arrival_time=request.arrival_time, cache_salt=request.cache_salt,
+                      priority=request.priority)
+        spec = request.params.structured_outputs
+        if spec is None:
+            self.scheduler.add(seq)
+        else:
+            self._add_constrained(seq, spec)
         self._num_sent[request.seq_id] = 0
+
+    def _add_constrained(self, request: Request, spec: StructuredOutputsParams) -> None:
+        if self.grammars is None:
+            raise ValueError("this engine was built without structured outputs")
+        if request.request_id in self._num_sent:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        check_fits(len(request.prompt_token_ids), request.params.max_tokens,
+                   self.config.scheduler.max_model_len, self.block_manager.num_tokens)
+        self.grammars.submit(request.request_id, spec)
+        self._compiling[request.request_id] = request
 
     def abort(self, seq_ids: list[str]) -> None:
         """Finish these sequences now and free their blocks. Unknown ids are ignored."""
         for seq_id in seq_ids:
             self.scheduler.finish(seq_id, RequestStatus.FINISHED_ABORTED)
             self._num_sent.pop(seq_id, None)
+            if self.grammars is not None:
+                self._compiling.pop(seq_id, None)
+                self.grammars.release(seq_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return (self.scheduler.has_unfinished() or self._in_flight is not None
+                or bool(self._compiling))
 
     def step(self) -> StepOutput:
         outputs = []
         if self._in_flight is not None and self._in_flight[0].apply_before_next:
             outputs = self._apply(*self._in_flight)  # the next step starts where it ended
             self._in_flight = None
+        if self._compiling:
+            self._admit_compiled()
         scheduled = self.scheduler.schedule()
         launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled))
-        to_finish = launched
         if self.config.scheduler.async_scheduling:
-            to_finish, self._in_flight = self._in_flight, launched
-        if to_finish is not None:  # never a step applied above: that left nothing in flight
-            outputs = self._apply(*to_finish)
+            previous, self._in_flight = self._in_flight, launched
+            if previous is not None:  # never a step applied above: that left nothing in flight
+                outputs = self._apply(*previous)
+            self._sample_masked(launched)
+        elif launched is not None:
+            self._sample_masked(launched)
+            outputs = self._apply(*launched)
         return StepOutput(outputs, self.stats(scheduled.num_tokens))
+
+    def _admit_compiled(self) -> None:
+        """Constrained sequences whose grammar is ready join the scheduler; a core with
+        nothing else to do waits a little for one, instead of spinning."""
+        idle = not self.scheduler.has_unfinished() and self._in_flight is None
+        for seq_id, error in self.grammars.take_compiled(COMPILE_WAIT if idle else 0.0):
+            request = self._compiling.pop(seq_id, None)
+            if request is None:
+                continue
+            if error is None:
+                self.scheduler.add(request)
+            else:
+                del self._num_sent[seq_id]
+                self.failed.append(SequenceFailed(seq_id, f"structured outputs: {error}"))
+
+    def _sample_masked(self, launched) -> None:
+        """A launched step with constrained rows samples now, under their grammars' mask:
+        every step before it has been applied."""
+        if launched is not None and getattr(launched[1], "needs_mask", False):
+            launched[1].sample(self.grammars.mask(launched[0].sequences))
 
     def _apply(self, scheduled, pending) -> list[SequenceOutput]:
         """Wait for a launched step, update the scheduler, and report what changed."""
         result = pending.wait()
         changed = self.scheduler.update(scheduled, result)
+        if self.grammars is not None:
+            self._advance_grammars(changed)
         logprobs = dict(zip(result.request_ids, result.logprobs)) if any(result.logprobs) else {}
+        prompt_logprobs = result.prompt_logprobs  # a changed request's are applied ones
         return [out for request in changed
-                if (out := self._output_of(request, logprobs.get(request.request_id)))]
+                if (out := self._output_of(request, logprobs.get(request.request_id),
+                                           prompt_logprobs.get(request.request_id)))]
 
-    def _output_of(self, request: Request, token_logprobs) -> SequenceOutput | None:
-        """The tokens the frontend has not seen yet, or None. A final_only sequence with no
-        stop strings or logprobs gets them all at its end (no per-token message)."""
+    def _advance_grammars(self, changed: list[Request]) -> None:
+        """The constrained requests' matchers take their new tokens; a complete constraint
+        ends its request (its stop token, if it has one, is then the last token)."""
+        for request in changed:
+            if request.request_id not in self.grammars:
+                continue
+            complete = self.grammars.advance(request)
+            if complete and not request.status.is_finished:
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED,
+                                      request.output_token_ids[-1])
+            if request.status.is_finished:
+                self.grammars.release(request.request_id)
+
+    def _output_of(self, request: Request, token_logprobs,
+                   prompt_logprobs: PromptLogprobs | None = None) -> SequenceOutput | None:
+        """The tokens the frontend has not seen yet and this step's prompt logprobs, or None.
+        A final_only sequence with no stop strings or logprobs gets its tokens all at its end
+        (no per-token message); prompt logprobs are never held back: the core keeps none."""
         seq_id, params = request.request_id, request.params
         sent = self._num_sent.get(seq_id)
         if sent is None:
             return None  # aborted since it was scheduled
         finished = request.status.is_finished
         if (not finished and params.output_kind == "final_only" and not params.stop
-                and params.logprobs is None):
+                and params.logprobs is None and prompt_logprobs is None):
             return None
         new_tokens = request.output_token_ids[sent:]
         if finished:
@@ -97,16 +189,18 @@ class EngineCore:
         else:
             self._num_sent[seq_id] = request.num_output_tokens
         # a sequence with logprobs is never deferred: it reports its one token every step
-        logprobs = None if params.logprobs is None else [token_logprobs]
+        logprobs = None if params.logprobs is None else [token_logprobs] if new_tokens else []
         return SequenceOutput(seq_id, new_tokens, request.token_times[sent:], logprobs,
                               request.finish_reason, request.stop_reason, request.finish_time,
-                              request.first_scheduled_time, request.num_cached_tokens)
+                              request.first_scheduled_time, request.num_cached_tokens,
+                              prompt_logprobs)
 
     def stats(self, num_scheduled_tokens: int = 0) -> EngineStats:
         """The engine's state now; `num_scheduled_tokens`: of the step just scheduled."""
         bm, scheduler = self.block_manager, self.scheduler
         spec = None if self.speculator is None else self.speculator.counts()
-        return EngineStats(len(scheduler.running), len(scheduler.waiting), bm.usage,
+        return EngineStats(len(scheduler.running), len(scheduler.waiting) + len(self._compiling),
+                           bm.usage,
                            bm.prefix_queries, bm.prefix_hits, scheduler.num_preemptions,
                            bm.num_free_blocks, bm.num_blocks,
                            spec, num_scheduled_tokens)
@@ -128,6 +222,8 @@ def run_core_loop(core: EngineCore, receive: Callable[[float], list[ToCore]],
                 else:
                     _add_all(core, message, send)
             send(core.step() if core.has_unfinished() else StepOutput([], core.stats()))
+            while core.failed:
+                send(core.failed.pop())
     except Exception as exc:  # the core's state is unknown now: stop
         log.exception("engine core loop died")
         send(CoreFailed(f"engine core died: {type(exc).__name__}: {exc}"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.core.batch import TokenLogprobs
+from engine.core.batch import PromptLogprobs, TokenLogprobs
 from engine.core.request import SamplingParams
 
 
@@ -25,8 +25,9 @@ class CoreRequest(msgspec.Struct, array_like=True, gc=False):
 
 class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
     """What one step did to one sequence: the tokens it appended (more than one when it
-    finishes after deferring them, see EngineCore) with their times, and its end if it ended.
-    Times are time.monotonic(), one clock for every process of a host."""
+    finishes after deferring them, see EngineCore) with their times, the prompt logprobs it
+    computed, and its end if it ended. Times are time.monotonic(), one clock for every process
+    of a host."""
     seq_id: str
     new_token_ids: list[int]
     new_token_times: list[float]
@@ -36,6 +37,7 @@ class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
     finish_time: float | None
     first_scheduled_time: float | None
     num_cached_tokens: int
+    prompt_logprobs: PromptLogprobs | None = None  # of a prompt chunk (each position once)
 
 
 class SpecCounts(msgspec.Struct, array_like=True, gc=False):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,45 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one constraint, which every generated token keeps
+    satisfiable (engine/structured/). `json` is a JSON schema, kept as its canonical JSON text
+    so equal schemas share one compiled grammar; `grammar` is EBNF (xgrammar's dialect)."""
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    # JSON without whitespace between tokens (vLLM's disable_any_whitespace)
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = self.kinds
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {list(kinds) or 'none'}")
+        if self.choice is not None and not (
+                self.choice and all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, "
+                             f"got {self.choice!r}")
+
+    @property
+    def kinds(self) -> list[str]:
+        return [name for name in ("json", "regex", "choice", "grammar")
+                if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                        else [])
+
+    @property
+    def key(self) -> tuple:
+        """What the compiled grammar depends on: its cache key."""
+        return (self.kinds[0], getattr(self, self.kinds[0]), self.disable_any_whitespace)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """What to generate. Field names and defaults follow vLLM's SamplingParams."""
     n: int = 1
@@ -55,6 +95,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-k logprobs per generated token, up to 20
+    # vLLM's: the logprob of every prompt token after the first, with the top-k at its
+    # position, up to 20 (None: none computed)
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     # None: every token; else only these may be sampled (vLLM's allowed_token_ids)
     allowed_token_ids: tuple[int, ...] | None = None
@@ -66,6 +109,8 @@ class SamplingParams:
     # the deltas, and copying whole histories every step cost it a third of its CPU);
     # "final_only": one output when the request finishes (offline batch generation)
     output_kind: str = "stream"
+    # every token keeps this constraint satisfiable; None: free text
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,8 +137,10 @@ class SamplingParams:
             return is_int(v) and 0 <= v < VOCAB_SIZE
 
         need(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
-        need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-             "must be an integer >= 1")
+        need(is_int(self.max_tokens) and (self.max_tokens >= 1 or self.max_tokens == 0
+                                          and self.prompt_logprobs is not None), "max_tokens",
+             "must be an integer >= 1 (0 only with prompt_logprobs: the prompt's logprobs "
+             "alone)")
         need(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
              "must be a finite number >= 0")
         need(math.isfinite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
@@ -108,6 +155,9 @@ class SamplingParams:
              "must be an integer >= 0")
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs
              <= MAX_LOGPROBS), "logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs)
+             and 0 <= self.prompt_logprobs <= MAX_LOGPROBS), "prompt_logprobs",
+             f"must be null or in [0, {MAX_LOGPROBS}]")
         need(all(isinstance(s, str) and s for s in self.stop), "stop",
              "must hold non-empty strings")
         need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -145,8 +195,8 @@ class SamplingParams:
     def draws_from_raw_logits(self) -> bool:
         """Only the temperature stands between the raw logits and the token (greedy: their
         argmax): no logit bias, token masks, penalties, top-k/top-p/min-p or logprobs
-        (min_tokens aside, which depends on the tokens so far). Cached: checked per sequence
-        per step."""
+        (min_tokens aside, which depends on the tokens so far; structured outputs aside, whose
+        mask depends on them too). Cached: checked per sequence per step."""
         return (self.logprobs is None and not self.logit_bias and not self.needs_penalties
                 and self.allowed_token_ids is None and not self.bad_words_token_ids
                 and self.top_k <= 0 and self.top_p == 1.0 and self.min_p == 0.0)
@@ -169,6 +219,9 @@ class Request:
     num_pending_tokens: int = 0
     num_pending_samples: int = 0  # 0 or 1: that step samples this request's next token
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission
+    # prompt positions 0.. whose next-token logprobs an applied step reported (prompt_logprobs
+    # requests only): each position is reported once, whatever preemptions recompute
+    num_prompt_logprobs_done: int = 0
     num_preemptions: int = 0
     # timestamps (time.monotonic seconds)
     first_scheduled_time: float | None = None
@@ -201,6 +254,13 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions remain whose logprobs were asked for and not yet reported: their
+        logits must be computed, so the request takes no prefix-cache hit."""
+        return (self.params.prompt_logprobs is not None
+                and self.num_prompt_logprobs_done < len(self.prompt_token_ids) - 1)
 
     @property
     def finish_reason(self) -> str | None:

@@ -5,7 +5,8 @@ Each step, `schedule()`:
      chunk). When blocks run out, the last running request is preempted: its blocks are freed
      and it is requeued, to be recomputed from prompt + output so far.
   2. admits waiting requests in queue order while budget, sequence slots and blocks allow;
-     each starts after its longest cached prefix.
+     each starts after its longest cached prefix, unless it still needs prompt logprobs
+     (they need every prompt position's logits): then it computes its prompt from the start.
 
 The queue order is the scheduling policy: fcfs (arrival order; a preempted request goes back
 to the front) or priority ((priority, arrival_time), lower first). `running` is kept in the
@@ -13,6 +14,10 @@ same order, so its last request is the one preempted first.
 
 `update()` applies a step's sampled tokens and checks EOS, stop token ids, max_tokens and the
 context length; stop strings are finished by the engine through `finish()`.
+
+Prompt logprobs: each prompt chunk names the positions whose logprobs the runner reports
+(`PromptLogprobsJob`); `num_prompt_logprobs_done` keeps a recompute after a preemption from
+reporting any twice. A request with max_tokens 0 samples nothing and ends with its prompt.
 
 Steps may be scheduled one ahead: a request whose next token step N samples gets a
 PLACEHOLDER_TOKEN in step N+1, with the row of N's samples it comes from (`prev_sample_row`).
@@ -31,7 +36,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Protocol
 
-from engine.core.batch import PLACEHOLDER_TOKEN, RunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.core.batch import (PLACEHOLDER_TOKEN, PromptLogprobsJob, RunnerOutput,
+                               ScheduledSequence, SchedulerOutput)
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
 from engine.core.messages import SpecCounts
@@ -234,7 +240,7 @@ class Scheduler:
             self._admit_waiting(budget)
         now = self.clock()
         sequences, requests, sample_rows, num_drafts = [], {}, {}, 0
-        speculator, apply_first = self.speculator, False
+        speculator, apply_first, prompt_logprobs = self.speculator, False, False
         for request, num_new, drafts in self._scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
@@ -245,6 +251,7 @@ class Scheduler:
             if seq.sample:
                 sample_rows[request.request_id] = len(sample_rows)
                 apply_first |= bool(speculator and speculator.may_speculate(request))
+            prompt_logprobs |= seq.prompt_logprobs is not None
             sequences.append(seq)
             requests[request.request_id] = request
         self._sample_rows = sample_rows
@@ -253,7 +260,8 @@ class Scheduler:
             self._step_requests[self._step_id] = requests
         return SchedulerOutput(sequences=sequences, preempted_ids=preempted,
                                step_id=self._step_id, num_draft_tokens=num_drafts,
-                               apply_before_next=apply_first)
+                               apply_before_next=apply_first,
+                               has_prompt_logprobs=prompt_logprobs)
 
     def _may_run_ahead(self, request: Request) -> bool:
         """With its next token still pending, a request runs ahead only if that token cannot
@@ -311,7 +319,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.first()
             tokens = request.all_token_ids
-            cached = self.block_manager.find_cached_prefix(tokens, request.cache_salt)
+            cached = [] if request.needs_prompt_logprobs else \
+                self.block_manager.find_cached_prefix(tokens, request.cache_salt)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(len(tokens) - num_cached, budget)
             if not self.block_manager.admit(request.request_id, tokens, cached, num_new,
@@ -356,13 +365,32 @@ class Scheduler:
         output_ids = tuple(request.output_token_ids) if params.needs_output_tokens else ()
         prompt_ids = tuple(request.prompt_token_ids) if params.needs_penalties else ()
         num_output = request.num_output_tokens + request.num_pending_samples
+        job = None
+        if params.prompt_logprobs is not None:
+            job = self._prompt_logprobs_job(request, start, end)
+            sample = sample and params.max_tokens > 0  # max_tokens 0: the prompt alone
         # positional: keywords cost more on this per-sequence hot path
         return ScheduledSequence(request.request_id, token_ids, start, block_ids, sample, params,
-                                 output_ids, prompt_ids, num_output, prev_row, len(drafts))
+                                 output_ids, prompt_ids, num_output, prev_row, len(drafts), job)
+
+    @staticmethod
+    def _prompt_logprobs_job(request: Request, start: int, end: int) -> PromptLogprobsJob | None:
+        """The prompt positions in [start, end) whose logprobs are still to be reported: those
+        with a prompt token after them, past the ones reported already (a recompute after a
+        preemption reports nothing twice). Earlier chunks still in flight reported up to
+        `start`, unless preempted, when their results are dropped."""
+        prompt = request.prompt_token_ids
+        first = max(start, request.num_prompt_logprobs_done)
+        stop = min(end, len(prompt) - 1)
+        if first >= stop:
+            return None
+        return PromptLogprobsJob(first - start, tuple(prompt[first + 1:stop + 1]),
+                                 request.params.prompt_logprobs)
 
     # ----------------------------------------------------------------- update
     def update(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
-        """Apply one step's results. Returns requests that got a new token or finished."""
+        """Apply one step's results. Returns requests that got a new token, prompt logprobs
+        (the step's RunnerOutput has them) or finished."""
         now = self.clock()
         sampled = dict(zip(output.request_ids, output.sampled_token_ids))
         accepted = dict(zip(output.request_ids, output.accepted_drafts))
@@ -385,9 +413,17 @@ class Scheduler:
             if request.num_computed_tokens % block_size < num_new:  # a block boundary passed
                 self._cache_full_blocks(request)
             token = sampled.get(seq.request_id)
-            if token is None:
+            job = seq.prompt_logprobs
+            if job is not None:
+                request.num_prompt_logprobs_done = (seq.start_position + job.first_row
+                                                    + len(job.target_ids))
+            if token is not None:
+                self._append(request, token, now)
+            elif request.params.max_tokens == 0 and request.num_computed_tokens == len(
+                    request.prompt_token_ids):  # the whole prompt, and nothing to generate
+                self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+            elif job is None:
                 continue  # a prompt chunk that did not reach the end
-            self._append(request, token, now)
             changed.append(request)
         return changed
 

@@ -6,6 +6,20 @@ from dataclasses import dataclass, field
 from engine.core.batch import TokenLogprobs
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """vLLM's Logprob: a token's raw model logprob at one position, its rank there (1: the
+    likeliest; ties count against it) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt logprobs: None for prompt token 0 (nothing precedes it), then per prompt
+# token a map holding that token's Logprob and those of the top-k tokens at its position
+PromptLogprobsList = list[dict[int, Logprob] | None]
+
+
 @dataclass(slots=True)
 class RequestMetrics:
     """Timestamps in time.monotonic() seconds, recorded inside the engine."""
@@ -46,6 +60,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # all n choices, by index
     metrics: list[RequestMetrics]  # one per choice
     error: str | None = None  # set when the request failed inside the engine
+    # with prompt_logprobs asked for, once every prompt position has them (then shared by
+    # every later output: never changed again); None before, or when not asked for
+    prompt_logprobs: PromptLogprobsList | None = None
     finished: bool = field(init=False)  # every choice finished; read several times per step
 
     def __post_init__(self) -> None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+from engine.core.batch import PromptLogprobs
 from engine.core.messages import CoreRequest, SequenceOutput, StepOutput
 from engine.core.request import RequestStatus, SamplingParams
 from engine.output.detokenize import TextStream
-from engine.output.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.output.outputs import (CompletionOutput, Logprob, PromptLogprobsList,
+                                   RequestMetrics, RequestOutput)
 from engine.output.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,33 @@ class _Choice:
         return items if self.output.finish_reason is not None else list(items)
 
 
+class _PromptLogprobs:
+    """A request's prompt logprobs in vLLM's shape, filled chunk by chunk as its first
+    choice's prompt is computed (each position arrives once)."""
+
+    def __init__(self, prompt_token_ids: list[int], tokenizer: Tokenizer) -> None:
+        self.prompt_token_ids, self.tokenizer = prompt_token_ids, tokenizer
+        self.entries: PromptLogprobsList = [None] * len(prompt_token_ids)
+        self.num_missing = len(prompt_token_ids) - 1  # prompt token 0 never has any
+
+    def add(self, chunk: PromptLogprobs) -> None:
+        """Each token's own Logprob, then the top-k's (which replace it when it is among
+        them, as vLLM builds the map)."""
+        decode = self.tokenizer.decode
+        for i, logprob in enumerate(chunk.token_logprobs):
+            index = chunk.first_index + i
+            token = self.prompt_token_ids[index]
+            entry = {token: Logprob(logprob, chunk.ranks[i], decode([token]))}
+            for rank, (top, top_logprob) in enumerate(
+                    zip(chunk.top_token_ids[i], chunk.top_logprobs[i]), start=1):
+                entry[top] = Logprob(top_logprob, rank, decode([top]))
+            self.entries[index] = entry
+        self.num_missing -= len(chunk.token_logprobs)
+
+    def complete(self) -> PromptLogprobsList | None:
+        return self.entries if self.num_missing == 0 else None
+
+
 @dataclass
 class _Group:
     request_id: str
@@ -76,6 +105,7 @@ class _Group:
     prompt_token_ids: list[int]
     choices: list[_Choice]
     error: str | None = None  # set when handling this request's output raised
+    prompt_logprobs: _PromptLogprobs | None = None  # asked for: filled by choice 0
 
     @property
     def finished(self) -> bool:
@@ -84,7 +114,9 @@ class _Group:
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.snapshot() for c in self.choices],
-                             [c.metrics_snapshot() for c in self.choices], self.error)
+                             [c.metrics_snapshot() for c in self.choices], self.error,
+                             None if self.prompt_logprobs is None
+                             else self.prompt_logprobs.complete())
 
 
 class OutputProcessor:
@@ -97,13 +129,18 @@ class OutputProcessor:
             params: SamplingParams, arrival_time: float, *,
             cache_salt: str | None = None, priority: int = 0) -> list[CoreRequest]:
         """Track a request; returns its n sequences for the core. Choices of a seeded request
-        get distinct, reproducible seeds; prefix-cache hits stay within one cache_salt."""
+        get distinct, reproducible seeds; prefix-cache hits stay within one cache_salt. Prompt
+        logprobs are computed by choice 0 alone (by all with max_tokens 0, which needs them)."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         group = _Group(request_id, prompt, prompt_token_ids, [])
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = _PromptLogprobs(prompt_token_ids, self.tokenizer)
         sequences = []
         for i in range(params.n):
             seq_params = params if params.seed is None else replace(params, seed=params.seed + i)
+            if i > 0 and params.prompt_logprobs is not None and params.max_tokens > 0:
+                seq_params = replace(seq_params, prompt_logprobs=None)
             seq_id = f"{request_id}#{i}"
             group.choices.append(_Choice(i, seq_id, seq_params, self.tokenizer, arrival_time))
             sequences.append(CoreRequest(seq_id, list(prompt_token_ids), seq_params,
@@ -140,12 +177,16 @@ class OutputProcessor:
             if choice.output.finish_reason is not None:
                 continue  # a stop string ended it; the core's abort is on its way
             try:
+                if seq.prompt_logprobs is not None and choice.index == 0:
+                    group.prompt_logprobs.add(seq.prompt_logprobs)
                 self._apply(choice, seq, to_abort)
             except Exception as err:  # one request's failure must not take down the others
                 log.exception("request %s failed while handling its output", group.request_id)
                 to_abort += self._fail(group, f"{type(err).__name__}: {err}")
-            if (choice.params.output_kind != "final_only" or group.error is not None
-                    or group.finished):
+            # a prompt chunk's logprobs alone make no output: they come with the first token
+            if group.error is not None or group.finished or (
+                    choice.params.output_kind != "final_only"
+                    and (seq.new_token_ids or seq.finish_reason is not None)):
                 changed[group.request_id] = group
         return [self._emit(group) for group in changed.values()], to_abort
 

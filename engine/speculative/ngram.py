@@ -69,3 +69,7 @@ class NgramProposer:
 
     def release(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        """It holds an index of this request's tokens (released with the request)."""
+        return request_id in self._indexes

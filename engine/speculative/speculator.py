@@ -42,11 +42,13 @@ class Speculator:
     def may_speculate(self, request: Request) -> bool:
         """This step drafts and the request's next positions can be sampled independently of
         each other: no penalties or bad words (they read the output so far), no
-        allowed_token_ids (token masks stay on the sampler's one-position path), no logprobs
-        (one entry per step), min_tokens reached (no stop token is banned at any position)."""
+        allowed_token_ids or structured outputs (token masks stay on the sampler's
+        one-position path), no logprobs (one entry per step), min_tokens reached (no stop
+        token is banned at any position)."""
         params = request.params
         return (self.k > 0 and not params.needs_output_tokens
-                and params.allowed_token_ids is None and params.logprobs is None
+                and params.allowed_token_ids is None and params.structured_outputs is None
+                and params.logprobs is None
                 and request.num_output_tokens >= params.min_tokens)
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:

@@ -20,9 +20,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from engine.core.batch import ScheduledSequence, SchedulerOutput
+from engine.core.batch import PromptLogprobsJob, ScheduledSequence, SchedulerOutput
 from engine.core.config import EngineConfig
-from engine.core.request import SamplingParams
+from engine.core.request import MAX_LOGPROBS, SamplingParams
 from engine.worker.models.gpt2 import GPT2Config
 from engine.worker.startup import device_key, source_hash
 
@@ -108,8 +108,9 @@ class KVSizing:
 def worst_step(config: EngineConfig, block_size: int,
                max_drafts: int) -> tuple[SchedulerOutput, int]:
     """The worst-case step: the full token budget over as many sequences as may run at once,
-    each sampling with the sort-based filters (and at up to k drafts, when speculating); and
-    the blocks it needs."""
+    each sampling with the sort-based filters (and at up to k drafts, when speculating) after
+    reporting the logprobs of its other positions (prompt logprobs' slices); and the blocks
+    it needs."""
     sched = config.scheduler
     num_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
     lens = [min(sched.max_model_len, len(chunk))
@@ -119,8 +120,10 @@ def worst_step(config: EngineConfig, block_size: int,
     for i, n in enumerate(lens):
         num_blocks = -(-n // block_size)
         block_ids = list(range(next_block, next_block + num_blocks))
+        job = PromptLogprobsJob(0, (0,) * (n - 1), MAX_LOGPROBS) if n > 1 else None
         seqs.append(ScheduledSequence(f"profile-{i}", [0] * n, 0, block_ids, True, params,
-                                      num_drafts=min(n - 1, max_drafts)))
+                                      num_drafts=min(n - 1, max_drafts), prompt_logprobs=job))
         next_block += num_blocks
     num_drafts = sum(s.num_drafts for s in seqs)
-    return SchedulerOutput(seqs, num_draft_tokens=num_drafts), next_block
+    return SchedulerOutput(seqs, num_draft_tokens=num_drafts,
+                           has_prompt_logprobs=any(s.prompt_logprobs for s in seqs)), next_block

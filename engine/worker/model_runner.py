@@ -6,14 +6,16 @@ when off); engine/build.py assembles a runner.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.core.batch import RunnerOutput, SchedulerOutput
+from engine.core.batch import GrammarMask, PromptLogprobs, RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.worker.attention import get_attention_backend
 from engine.worker.cuda_graphs import DecodeGraphs, GraphPlan, MixedGraphs
@@ -21,6 +23,7 @@ from engine.worker.device import ops_for, resolve_backend, resolve_device, resol
 from engine.worker.inputs import is_decode_step, prepare_host_inputs, take_placeholders, to_device
 from engine.worker.kv_sizing import kv_block_bytes
 from engine.worker.models.gpt2 import GPT2Config, KVCache, load_gpt2
+from engine.worker.prompt_logprobs import PromptLogprobsOutput, compute_prompt_logprobs
 from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput
 from engine.worker.speculation import NO_SPECULATION, Speculation, StepPlan
 from engine.worker.startup import StartupCache, StartupPhases, default_cache_dir
@@ -130,34 +133,48 @@ class ModelRunner:
         to_sample = [s for s in out.sequences if s.sample]
         plan = self.speculation.plan(out, to_sample)
         draw_inputs = self.sampler.draw_inputs(plan.sample_rows)
-        logits, drawn = self._forward(out, draw_inputs, kv_caches, plan)
-        if not to_sample:  # prompt chunks only: nothing to sample
-            self._last_step = LaunchedStep(out.step_id, None)
-            return PendingStep([], None)
-        sampled = self.sampler(logits, plan.sample_rows, draw_inputs, drawn)
+        logits, drawn, prompt_logprobs = self._forward(out, draw_inputs, kv_caches, plan)
+        self._last_step = LaunchedStep(out.step_id, None)
+        pending = PendingStep([s.request_id for s in to_sample], None,
+                              prompt_logprobs=prompt_logprobs)
+        if to_sample:  # else prompt chunks only: nothing to sample
+            pending.sample_with = functools.partial(self._sample, out.step_id, logits, plan,
+                                                    draw_inputs, drawn)
+            if not any(s.params.structured_outputs for s in to_sample):
+                pending.sample(None)
+        return pending
+
+    def _sample(self, step_id: int, logits: torch.Tensor, plan: StepPlan,
+                draw_inputs: DrawInputs, drawn: torch.Tensor | None,
+                mask: GrammarMask | None) -> SamplerOutput:
+        sampled = self.sampler(logits, plan.sample_rows, draw_inputs, drawn, mask)
         sampled = self.speculation.after_sample(plan, sampled)
         sampled.begin_host_copy()
-        self._last_step = LaunchedStep(out.step_id, sampled.token_ids)
-        return PendingStep([s.request_id for s in to_sample], sampled)
+        self._last_step = LaunchedStep(step_id, sampled.token_ids)
+        return sampled
 
     def _forward(self, out: SchedulerOutput, draw_inputs: DrawInputs, kv_caches: list[KVCache],
-                 plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 plan: StepPlan
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, PromptLogprobsOutput | None]:
         """Logits of the sampling rows in the model's dtype (`draw_inputs` are theirs), plus
-        each one's draw when a graph made it. Graphs run on the cache they captured."""
+        each one's draw when a graph made it, and the step's prompt logprobs, if it has
+        PromptLogprobsJobs (such a step runs eagerly: they read every row's hidden state).
+        Graphs run on the cache they captured; decode steps never have prompt logprobs."""
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, dtype=self.dtype,
-                               device=self.device), None
+                               device=self.device), None, None
         seqs = out.sequences
         sources = [s.prev_sample_row for s in seqs]
         prev_tokens = self._prev_sampled(out, sources)
         if (self.decode_graphs is not None and len(seqs) <= self.decode_graphs.max_batch
                 and is_decode_step(seqs)):
-            return self.decode_graphs.run(seqs, sources, prev_tokens, draw_inputs)
+            return *self.decode_graphs.run(seqs, sources, prev_tokens, draw_inputs), None
         host = prepare_host_inputs(seqs, self.block_size, self.max_blocks_per_seq)
         write_drafts = plan.write_drafts(host)
-        if self.mixed_graphs is not None and self.mixed_graphs.fits(host):
-            return self.mixed_graphs.run(host, sources, prev_tokens, draw_inputs, write_drafts,
-                                         plan.follow)
+        if (self.mixed_graphs is not None and not out.has_prompt_logprobs
+                and self.mixed_graphs.fits(host)):
+            return *self.mixed_graphs.run(host, sources, prev_tokens, draw_inputs, write_drafts,
+                                          plan.follow), None
         step = to_device(host, self.device)
         if prev_tokens is not None:
             take_placeholders(step, host, sources, prev_tokens)
@@ -167,7 +184,12 @@ class ModelRunner:
         follower = self.speculation.follower
         if follower is not None and plan.follow:
             follower(step.input_ids, step.positions, step.meta)
-        return self.model.lm_head(hidden[step.sample_indices]), None
+        prompt_logprobs = None
+        if out.has_prompt_logprobs:
+            prompt_logprobs = compute_prompt_logprobs(hidden, self.model.lm_head, seqs,
+                                                      host.query_start_loc)
+            prompt_logprobs.begin_host_copy()
+        return self.model.lm_head(hidden[step.sample_indices]), None, prompt_logprobs
 
     def _prev_sampled(self, out: SchedulerOutput, sources: list[int]) -> torch.Tensor | None:
         """The device tokens that `out`'s placeholders (sources >= 0) name: those step
@@ -190,13 +212,30 @@ class LaunchedStep:
 
 @dataclass
 class PendingStep:
-    """A launched step whose sampled tokens are on their way to the host."""
+    """A launched step whose sampled tokens are on their way to the host. A step with
+    structured-output rows has launched its forward only: it `needs_mask`, and samples once
+    `sample` gets its rows' GrammarMask, which must be before the next launch (whose
+    placeholders name these tokens) and before `wait`."""
     request_ids: list[str]
     sampled: SamplerOutput | None
+    sample_with: Callable[[GrammarMask | None], SamplerOutput] | None = None
+    prompt_logprobs: PromptLogprobsOutput | None = None  # the step had PromptLogprobsJobs
+
+    @property
+    def needs_mask(self) -> bool:
+        return self.sampled is None and self.sample_with is not None
+
+    def sample(self, mask: GrammarMask | None) -> None:
+        self.sampled = self.sample_with(mask)
 
     def wait(self) -> RunnerOutput:
+        if self.needs_mask:
+            raise RuntimeError("a step with structured-output rows was never sampled")
         if self.sampled is None:
-            return RunnerOutput([], [], [])
+            return RunnerOutput([], [], [], prompt_logprobs=self._prompt_logprobs())
         token_ids, logprobs = self.sampled.to_lists()
         return RunnerOutput(self.request_ids, token_ids, logprobs,
-                            self.sampled.accepted_drafts())
+                            self.sampled.accepted_drafts(), self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        return {} if self.prompt_logprobs is None else self.prompt_logprobs.to_host()

@@ -2,7 +2,7 @@
 
     plain rows (temperature only):  draw(logits, T, seed)                one launch on CUDA
     other batches:  sanitise (NaN, inf) ─▶ raw logprobs (requests asking for them)
-      ─▶ allowed_token_ids ─▶ bad words ─▶ logit_bias ─▶ min_tokens (mask stop tokens)
+      ─▶ grammar mask (structured outputs) ─▶ allowed_token_ids ─▶ bad words ─▶ logit_bias ─▶ min_tokens (mask stop tokens)
       ─▶ penalties
       ─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ draw(filtered, T > 0 ? 1 : 0, seed)
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from engine.worker import layers
-from engine.core.batch import ScheduledSequence, TokenLogprobs
+from engine.core.batch import GrammarMask, ScheduledSequence, TokenLogprobs
 from engine.worker.inputs import upload
 from engine.core.request import EOS_TOKEN_ID
 
@@ -91,6 +91,12 @@ def is_plain_draw(seqs: list[ScheduledSequence]) -> bool:
     """Every row's token is drawn from its raw logits at its temperature (greedy: their
     argmax), with nothing else applied: what the decode graphs and `draw` alone compute."""
     return all(s.params.draws_from_raw_logits and s.num_output_tokens >= s.params.min_tokens
+               and s.params.structured_outputs is None for s in seqs)
+
+
+def is_plain_but_masked(seqs: list[ScheduledSequence]) -> bool:
+    """Every row is a plain draw but for its grammar mask, if it has one."""
+    return all(s.params.draws_from_raw_logits and s.num_output_tokens >= s.params.min_tokens
                for s in seqs)
 
 
@@ -118,21 +124,26 @@ class Sampler:
         return temperature, seeds
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
-                 draw_inputs: DrawInputs | None = None,
-                 drawn: torch.Tensor | None = None) -> SamplerOutput:
+                 draw_inputs: DrawInputs | None = None, drawn: torch.Tensor | None = None,
+                 mask: GrammarMask | None = None) -> SamplerOutput:
         """Next tokens from `logits` (the model's dtype, as the model returns them; filters
         work on a float32 copy). `drawn`: each row's draw already made on the device at these
-        draw inputs (a CUDA graph's), which is the answer when every row is a plain draw."""
+        draw inputs (a CUDA graph's), which is the answer when every row is a plain draw.
+        `mask`: the grammar mask of the rows with structured outputs (required if any)."""
         temperature, seeds = draw_inputs or self.draw_inputs(seqs)
         if is_plain_draw(seqs):
             if drawn is None:
                 drawn = self.draw(logits, upload(temperature, torch.float32, logits.device),
                                   upload(seeds, torch.int64, logits.device))
             return SamplerOutput(drawn, [], [])
+        if is_plain_but_masked(seqs):
+            return SamplerOutput(self._masked_draw(logits, seqs, temperature, seeds, drawn, mask),
+                                 [], [])
         seeds = upload(seeds, torch.int64, logits.device)
         logits = sanitize(logits.float())
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], -1) if logprob_rows else None
+        logits = apply_grammar_mask(logits, seqs, mask)
         logits = apply_allowed_token_ids(logits, seqs)
         logits = apply_bad_words(logits, seqs)
         logits = apply_logit_bias(logits, seqs)
@@ -150,6 +161,24 @@ class Sampler:
         return out
 
 
+    def _masked_draw(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
+                     temperature: np.ndarray, seeds: np.ndarray, drawn: torch.Tensor | None,
+                     mask: GrammarMask | None) -> torch.Tensor:
+        """Plain draws for every row (the graph's, if it made them), then the constrained
+        rows drawn again from their masked logits: the step's other rows cost nothing more."""
+        device = logits.device
+        if drawn is None:
+            drawn = self.draw(logits, upload(temperature, torch.float32, device),
+                              upload(seeds, torch.int64, device))
+        rows = np.array([i for i, s in enumerate(seqs) if s.params.structured_outputs])
+        masked = apply_grammar_mask(sanitize(logits[upload(rows, torch.long, device)].float()),
+                                    [seqs[i] for i in rows], mask)
+        drawn[upload(rows, torch.long, device)] = self.draw(
+            masked, upload(temperature[rows], torch.float32, device),
+            upload(seeds[rows], torch.int64, device))
+        return drawn
+
+
 def sanitize(logits: torch.Tensor) -> torch.Tensor:
     """NaN -> -inf, +inf -> the largest float; a row with nothing finite left becomes uniform,
     so a broken row still yields a valid token instead of NaN probabilities."""
@@ -162,6 +191,23 @@ def sanitize(logits: torch.Tensor) -> torch.Tensor:
 def _rows_tokens(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
     rows, tokens = zip(*pairs)
     return upload(rows, torch.long, device), upload(tokens, torch.long, device)
+
+
+def apply_grammar_mask(logits: torch.Tensor, seqs: list[ScheduledSequence],
+                       mask: GrammarMask | None) -> torch.Tensor:
+    """Rows with structured outputs keep only the tokens their grammar allows (`mask`'s rows
+    are those rows, in order); one upload and one masked fill for the step."""
+    rows = [i for i, s in enumerate(seqs) if s.params.structured_outputs is not None]
+    if not rows:
+        return logits
+    if mask is None or mask.request_ids != [seqs[i].request_id for i in rows]:
+        raise ValueError("the grammar mask does not match the step's constrained rows")
+    words = upload(mask.bitmask, torch.int32, logits.device)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    rows_t = upload(rows, torch.long, logits.device)
+    logits[rows_t] = logits[rows_t].masked_fill(~allowed, NEG_INF)
+    return logits
 
 
 def apply_allowed_token_ids(logits: torch.Tensor,

@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # the packages of the import graph; a module belongs to the longest that prefixes it
-PACKAGES = ("engine.core", "engine.output", "engine.worker", "engine.speculative", "engine",
+PACKAGES = ("engine.core", "engine.output", "engine.worker", "engine.speculative",
+            "engine.structured", "engine",
             "server.bench", "server", "kernels")
 # the engine's adapters over kernels/: no other engine module imports it
 KERNEL_ADAPTERS = {"engine/worker/triton_ops.py", "engine/speculative/draft_model/chain_start.py"}

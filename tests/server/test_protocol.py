@@ -73,7 +73,9 @@ BAD_BODIES = [
     ({"prompt": "x", "stop_token_ids": [50257]}, "stop_token_ids"),
     ({"prompt": "x", "min_tokens": 20}, "min_tokens"),
     ({"prompt": "x", "seed": 2**64}, "seed"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "max_tokens": 0, "echo": False}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
@@ -225,11 +227,9 @@ def test_outputs_of_several_steps_merge_into_one_delta_per_choice():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("use_beam_search", True), ("length_penalty", 0.5), ("prompt_logprobs", 1),
+    ("use_beam_search", True), ("length_penalty", 0.5),
     ("priority", 5), ("logits_processors", ["a.b"]),
-    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
-    ("guided_regex", "[a-z]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "x"),
-    ("structured_outputs", {"regex": "a"}), ("skip_special_tokens", False)])
+    ("guided_whitespace_pattern", r"\s*"), ("skip_special_tokens", False)])
 def test_a_vllm_field_asking_for_what_is_not_implemented_is_a_400_naming_it(field, value):
     err = rejects({"prompt": "x", field: value}, field)
     assert err.code == "unsupported_field" and field in err.message
@@ -261,9 +261,18 @@ def test_max_tokens_zero_is_the_prompt_alone_with_echo_only():
     assert "echo" in err.message
 
 
-def test_echo_with_logprobs_says_why_and_what_to_send():
-    err = rejects({"prompt": "x", "echo": True, "logprobs": 2}, "echo")
-    assert "prompt logprobs" in err.message and "not both" in err.message
+def test_echo_with_logprobs_asks_the_engine_for_the_prompts_logprobs():
+    """vLLM's rule: echo's logprobs cover the prompt (prompt_logprobs takes precedence), and
+    max_tokens 0 then generates nothing in the engine; prompt_logprobs 0 may stream."""
+    def params(**body):
+        return to_sampling_params(parse_completion_request({"prompt": "x", **body}, LIMITS),
+                                  LIMITS.vocab_size)
+
+    assert params(echo=True, logprobs=2).prompt_logprobs == 2
+    assert params(echo=True, logprobs=2, prompt_logprobs=5).prompt_logprobs == 5
+    assert params(logprobs=2).prompt_logprobs is None
+    assert params(echo=True, logprobs=1, max_tokens=0).max_tokens == 0
+    assert params(prompt_logprobs=0, stream=True).prompt_logprobs == 0
 
 
 def test_any_number_of_stop_strings_reach_the_engine():

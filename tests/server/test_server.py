@@ -291,8 +291,8 @@ def test_vllm_fields_that_work_request_id_empty_model_and_stop_reason(http):
 def test_a_vllm_field_that_is_not_implemented_is_refused_by_name(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="x", max_tokens=2,
-                                  extra_body={"prompt_logprobs": 1})
-    assert info.value.body["param"] == "prompt_logprobs"
+                                  extra_body={"logits_processors": ["my.Processor"]})
+    assert info.value.body["param"] == "logits_processors"
 
 
 def test_head_where_get_works_and_invocations(http):

@@ -148,7 +148,7 @@ def test_an_aborted_speculating_request_frees_everything(tiny_checkpoint, prompt
     while engine.core.has_unfinished():
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert "a" not in engine.core.speculator.proposer._indexes  # its n-gram index is released
+    assert "a" not in engine.core.speculator.proposer  # its n-gram index is released
 
 
 def test_step_times_are_measured_for_each_batch_size_and_draft_length(tiny_checkpoint):

@@ -139,7 +139,7 @@ def test_speculation_can_be_told_to_run_every_step(monkeypatch, caplog):
                                                         "adaptive": False})
     cuda_runner = SimpleNamespace(device=SimpleNamespace(type="cuda"), num_kv_blocks=64)
     with caplog.at_level("INFO", logger="engine.build"):
-        assert build._measured_step_times(config, cuda_runner) is None
+        assert build.measured_step_times(config, cuda_runner) is None
     assert "every step drafts 3 tokens (adaptive is false)" in caplog.text
     core = build.build_engine_core(config, cuda_runner)
     assert core.speculator.switch is None and core.speculator.begin_step(256) == 3
@@ -148,5 +148,5 @@ def test_speculation_can_be_told_to_run_every_step(monkeypatch, caplog):
     adaptive = EngineConfig.from_flat(speculative_config={"method": "ngram",
                                                           "num_speculative_tokens": 3})
     with caplog.at_level("INFO", logger="engine.build"):
-        assert build._measured_step_times(adaptive, cuda_runner) is TIMES
+        assert build.measured_step_times(adaptive, cuda_runner) is TIMES
     assert "speculation pays at batch 1: acceptance >= " in caplog.text

@@ -1,0 +1,115 @@
+"""Prompt logprobs: at each prompt position that a step's PromptLogprobsJobs name, the
+log-softmax of the logits, read at the prompt token that follows (its logprob and rank) and
+at the top-k.
+
+    hidden [T, n_embd] ─▶ rows of the jobs [P, n_embd] ─▶ slices of SLICE_ROWS rows:
+        lm_head ─▶ float32 log_softmax [<= SLICE_ROWS, vocab] ─▶ target logprob, rank, top-k
+    ─▶ [P], [P], [P, k], [P, k] on the device ─▶ host, one PromptLogprobs per job
+
+Only one slice's logits exist at a time, each written over in place (about two slices of
+float32 at the peak), so a long prompt never holds [P, vocab] in float32.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.core.batch import PromptLogprobs, PromptLogprobsJob, ScheduledSequence
+from engine.worker.inputs import upload
+
+SLICE_ROWS = 256  # positions whose logits exist at once: bounds the float32 [rows, vocab]
+
+
+@dataclass
+class PromptLogprobsOutput:
+    """One step's prompt logprobs, on the device until `to_host`. Rows are the jobs' positions
+    in the step's order; job j owns rows offsets[j]:offsets[j + 1]."""
+    request_ids: list[str]
+    first_indices: list[int]  # per job: the prompt index of its first target token
+    num_top: list[int]  # per job: how many of the top_k columns it asked for
+    offsets: list[int]
+    token_logprobs: torch.Tensor  # float32 [P]
+    ranks: torch.Tensor  # int64 [P]
+    top_ids: torch.Tensor  # int64 [P, max num_top]
+    top_logprobs: torch.Tensor  # float32 [P, max num_top]
+    host: list[torch.Tensor] | None = field(default=None, repr=False)
+    ready: torch.cuda.Event | None = field(default=None, repr=False)
+
+    def begin_host_copy(self) -> None:
+        """Start copying the results to the host without waiting (once)."""
+        if self.host is not None:
+            return
+        tensors = [self.token_logprobs, self.ranks, self.top_ids, self.top_logprobs]
+        if not self.token_logprobs.is_cuda:
+            self.host = tensors
+            return
+        self.host = [t.to("cpu", non_blocking=True) for t in tensors]
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def to_host(self) -> dict[str, PromptLogprobs]:
+        """Wait for the copies; each job's results by request id."""
+        self.begin_host_copy()
+        if self.ready is not None:
+            self.ready.synchronize()
+        token_lps, ranks, top_ids, top_lps = (t.tolist() for t in self.host)
+        results = {}
+        for j, request_id in enumerate(self.request_ids):
+            rows, k = slice(self.offsets[j], self.offsets[j + 1]), self.num_top[j]
+            results[request_id] = PromptLogprobs(
+                self.first_indices[j], token_lps[rows], ranks[rows],
+                [ids[:k] for ids in top_ids[rows]], [lps[:k] for lps in top_lps[rows]])
+        return results
+
+
+def compute_prompt_logprobs(hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor],
+                            seqs: list[ScheduledSequence],
+                            query_start_loc: np.ndarray) -> PromptLogprobsOutput:
+    """The PromptLogprobsJobs of `seqs` over a step's final hidden states (sequence i owns
+    rows query_start_loc[i]:query_start_loc[i + 1] of `hidden`); at least one has a job.
+    `lm_head` returns fresh logits for the rows it is given, which are overwritten."""
+    jobs = [(s.prompt_logprobs, s, int(query_start_loc[i])) for i, s in enumerate(seqs)
+            if s.prompt_logprobs is not None]
+    counts = [len(job.target_ids) for job, _, _ in jobs]
+    out = _allocate(jobs, counts, hidden.device)
+    rows = upload(np.concatenate([first + job.first_row + np.arange(count)
+                                  for (job, _, first), count in zip(jobs, counts)]),
+                  torch.int64, hidden.device)
+    targets = upload(np.concatenate([job.target_ids for job, _, _ in jobs]), torch.int64,
+                     hidden.device)
+    for start in range(0, len(rows), SLICE_ROWS):
+        part = slice(start, start + SLICE_ROWS)
+        _fill_slice(out, part, lm_head(hidden[rows[part]]).float(), targets[part])
+    return out
+
+
+def _allocate(jobs: list[tuple[PromptLogprobsJob, ScheduledSequence, int]], counts: list[int],
+              device: torch.device) -> PromptLogprobsOutput:
+    """The output of these jobs, its result tensors not yet written."""
+    num_rows, width = sum(counts), max(job.num_top for job, _, _ in jobs)
+    return PromptLogprobsOutput(
+        request_ids=[s.request_id for _, s, _ in jobs],
+        first_indices=[s.start_position + job.first_row + 1 for job, s, _ in jobs],
+        num_top=[job.num_top for job, _, _ in jobs],
+        offsets=np.concatenate([[0], np.cumsum(counts)]).tolist(),
+        token_logprobs=torch.empty(num_rows, dtype=torch.float32, device=device),
+        ranks=torch.empty(num_rows, dtype=torch.int64, device=device),
+        top_ids=torch.empty(num_rows, width, dtype=torch.int64, device=device),
+        top_logprobs=torch.empty(num_rows, width, dtype=torch.float32, device=device))
+
+
+def _fill_slice(out: PromptLogprobsOutput, part: slice, logits: torch.Tensor,
+                targets: torch.Tensor) -> None:
+    """Write one slice's target logprobs, ranks (vLLM's: how many tokens have a logprob >=
+    the target's) and top-k into `out`'s rows `part`. `logits` (float32, fresh) are
+    overwritten: in place they become the logprobs, then the rank's comparison, so that
+    besides them only logsumexp's temporary is ever the slice's size."""
+    logprobs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))
+    token = logprobs.gather(1, targets[:, None])
+    out.token_logprobs[part] = token.squeeze(1)
+    if out.top_ids.shape[1]:
+        out.top_logprobs[part], out.top_ids[part] = logprobs.topk(out.top_ids.shape[1], dim=-1)
+    out.ranks[part] = logprobs.ge_(token).sum(dim=-1)  # 1.0 where >=: an exact float count

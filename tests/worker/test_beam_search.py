@@ -1,0 +1,193 @@
+"""Beam search (engine/beam_search.py) through the offline LLM on CPU, against transformers'
+greedy beam search (`generate(num_beams=B, ...)`) on the same random weights.
+
+The weights are the tiny random GPT-2 with two changes that make the comparison meaningful:
+the token embeddings (tied with the LM head) are scaled up, so that the logits spread and
+candidates rarely come within float32 noise of each other; and EOS's logit is raised
+through ln_f's bias, so that beams often end by EOS and the length penalty and the
+early-stopping rules decide between hypotheses of different lengths."""
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM
+from engine.beam_search import BeamSearch, BeamSearchParams, step_result
+from engine.core.request import EOS_TOKEN_ID
+from engine.worker.models.random_checkpoint import make_checkpoint
+
+EMBEDDING_SCALE = 3.0
+EOS_LOGIT_BOOST = 5.0
+MAX_TOKENS = 12
+PROMPT_LENGTHS = [1, 5, 17, 40]
+# (length_penalty, early_stopping)
+VARIANTS = [(1.0, False), (1.0, True), (1.0, "never"), (0.0, False), (2.0, False),
+            (2.0, "never"), (-1.0, False), (0.5, True)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny model's ops are too small to split: a second thread only waits for a core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def peaky_checkpoint(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("peaky-gpt2"), n_layer=2, n_embd=64,
+                           n_head=4, seed=0)
+    weights = load_file(path / "model.safetensors")
+    wte = weights["transformer.wte.weight"] * EMBEDDING_SCALE
+    eos = wte[EOS_TOKEN_ID]
+    weights["transformer.wte.weight"] = wte
+    weights["transformer.ln_f.bias"] = (weights["transformer.ln_f.bias"]
+                                        + EOS_LOGIT_BOOST * eos / eos.norm() ** 2)
+    save_file(weights, path / "model.safetensors")
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(peaky_checkpoint):
+    return LLM(model=str(peaky_checkpoint), device="cpu", dtype="float32", num_kv_blocks=512,
+               attention_backend="torch")
+
+
+@pytest.fixture(scope="module")
+def hf_model(peaky_checkpoint):
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(peaky_checkpoint, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(3)
+    return [[rng.randrange(EOS_TOKEN_ID) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def hf_beam_search(model, prompt, beam_width, length_penalty, early_stopping):
+    """transformers' B best beams (generated tokens, EOS padded) and their scores."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         num_beams=beam_width, num_return_sequences=beam_width,
+                         max_new_tokens=MAX_TOKENS, length_penalty=length_penalty,
+                         early_stopping=early_stopping, pad_token_id=EOS_TOKEN_ID,
+                         return_dict_in_generate=True, output_scores=True)
+    return [row[len(prompt):].tolist() for row in out.sequences], out.sequences_scores.tolist()
+
+
+def beam_params(beam_width, length_penalty, early_stopping, **extra):
+    return BeamSearchParams(beam_width=beam_width, max_tokens=MAX_TOKENS,
+                            length_penalty=length_penalty, early_stopping=early_stopping,
+                            **extra)
+
+
+@pytest.mark.parametrize("length_penalty,early_stopping", VARIANTS)
+@pytest.mark.parametrize("beam_width", [2, 4])
+def test_greedy_beam_search_equals_transformers(llm, hf_model, prompts, beam_width,
+                                                length_penalty, early_stopping):
+    params = beam_params(beam_width, length_penalty, early_stopping,
+                         include_stop_str_in_output=True)  # HF's sequences keep their EOS
+    outputs = llm.beam_search(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        theirs, their_scores = hf_beam_search(hf_model, prompt, beam_width, length_penalty,
+                                              early_stopping)
+        ours = [seq.output_token_ids for seq in output.sequences]
+        padded = [tokens + [EOS_TOKEN_ID] * (len(hf) - len(tokens))
+                  for tokens, hf in zip(ours, theirs)]
+        assert padded == theirs and len(ours) == beam_width, f"prompt of {len(prompt)}"
+        scores = [seq.cum_logprob / len(tokens) ** length_penalty
+                  for seq, tokens in zip(output.sequences, ours)]
+        assert scores == pytest.approx(their_scores, rel=1e-4, abs=1e-4)
+        for seq, tokens in zip(output.sequences, ours):
+            assert seq.tokens == prompt + tokens
+            assert seq.finish_reason == ("stop" if tokens[-1] == EOS_TOKEN_ID else "length")
+            assert len(seq.logprobs) == len(tokens)
+            assert seq.cum_logprob == pytest.approx(sum(e.token_logprob for e in seq.logprobs))
+
+
+def test_the_variants_change_the_result(llm, prompts):
+    """The comparisons above test the length penalty and each early_stopping rule only if
+    they change what the search returns."""
+    def tokens(length_penalty, early_stopping):
+        outputs = llm.beam_search(prompts, beam_params(2, length_penalty, early_stopping))
+        return [[seq.tokens for seq in out.sequences] for out in outputs]
+
+    rules = [tokens(1.0, early_stopping) for early_stopping in (False, True, "never")]
+    penalties = [tokens(length_penalty, False) for length_penalty in (0.0, 1.0, 2.0)]
+    for results in (rules, penalties):
+        assert len({str(result) for result in results}) == 3
+    ends = {seq.finish_reason for out in llm.beam_search(prompts, beam_params(4, 1.0, False))
+            for seq in out.sequences}
+    assert ends == {"stop", "length"}
+
+
+def test_eos_is_left_out_of_tokens_and_text_unless_asked_for(llm, prompts):
+    plain = llm.beam_search(prompts, beam_params(4, 1.0, False))
+    kept = llm.beam_search(prompts, beam_params(4, 1.0, False, include_stop_str_in_output=True))
+    decode = llm.engine.tokenizer.decode
+    stopped = 0
+    for out_plain, out_kept in zip(plain, kept):
+        for seq, seq_kept in zip(out_plain.sequences, out_kept.sequences):
+            assert seq.text == seq_kept.text == decode(seq.tokens)  # the prompt's text first
+            if seq.finish_reason == "stop":
+                stopped += 1
+                assert seq.stop_reason == EOS_TOKEN_ID
+                assert seq_kept.tokens == seq.tokens + [EOS_TOKEN_ID]
+                assert len(seq.logprobs) == len(seq.output_token_ids) + 1
+            else:
+                assert seq_kept.tokens == seq.tokens and seq.stop_reason is None
+    assert stopped > 0
+
+
+def test_ignore_eos_extends_beams_through_eos(llm, prompts):
+    outputs = llm.beam_search(prompts, beam_params(4, 1.0, False, ignore_eos=True))
+    sequences = [seq for out in outputs for seq in out.sequences]
+    assert all(seq.finish_reason == "length" and len(seq.output_token_ids) == MAX_TOKENS
+               for seq in sequences)
+    assert any(EOS_TOKEN_ID in seq.output_token_ids for seq in sequences)
+
+
+def test_beam_steps_share_the_prefix_blocks_of_their_beams(llm):
+    """Each step's one-token requests hit, in the prefix cache, every full block of their
+    beam but the last token's: the prompt's and what the parent beam's request computed."""
+    block_size = llm.engine.config.cache.block_size
+    manager = llm.engine.block_manager
+    prompt = [random.Random(5).randrange(EOS_TOKEN_ID) for _ in range(2 * block_size + 9)]
+    search = BeamSearch(prompt, beam_params(4, 1.0, "never", ignore_eos=True))
+    hits, expected = [], []
+    while not search.finished:
+        requests = search.requests()
+        before = manager.prefix_hits
+        outputs = llm.generate(requests, search.step_params, use_tqdm=False)
+        hits.append(manager.prefix_hits - before)
+        expected.append(sum((len(tokens) - 1) // block_size * block_size for tokens in requests))
+        search.advance([step_result(output) for output in outputs])
+    assert hits[0] == 0 and len(hits) == MAX_TOKENS
+    assert hits[1:] == expected[1:]
+    assert min(expected[1:]) >= 4 * 2 * block_size  # four beams sharing the prompt's blocks
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_batched_prompts_search_independently(llm, prompts):
+    params = beam_params(2, 1.0, False)
+    together = llm.beam_search(prompts, params)
+    alone = [llm.beam_search(prompt, params)[0] for prompt in prompts]
+    assert [[s.tokens for s in o.sequences] for o in together] == \
+        [[s.tokens for s in o.sequences] for o in alone]
+
+
+def test_bad_params_and_prompts_are_value_errors(llm):
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=11, max_tokens=4)  # 22 logprobs: more than the engine's 20
+    with pytest.raises(ValueError, match="early_stopping"):
+        BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
+    with pytest.raises(ValueError, match="length_penalty"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
+    too_long = BeamSearchParams(beam_width=2, max_tokens=llm.engine.config.scheduler.max_model_len)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.beam_search([[1, 2, 3]], too_long)

@@ -1,0 +1,231 @@
+"""Prompt logprobs (vLLM's SamplingParams.prompt_logprobs) on CPU: every position's logprob,
+rank and top-k against transformers' log_softmax of the same checkpoint, through chunked
+prefill, the prefix cache, preemption and max_tokens 0; slices bound the float32 logits; a
+step without prompt logprobs computes none. A fake runner checks the scheduler's side: each
+position is reported once, whatever preemptions recompute."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core.batch import (PromptLogprobs, PromptLogprobsJob, ScheduledSequence,
+                               SchedulerOutput)
+from engine.core.config import EngineConfig
+from engine.llm import LLMEngine
+from engine.worker.prompt_logprobs import SLICE_ROWS, compute_prompt_logprobs
+from fakes import CompletedStep, PipelinedFakeRunner
+
+TOLERANCE = 1e-4  # float32 on CPU: the paged forward against transformers' dense one
+PROMPT_LENGTHS = [1, 2, 17, 64, 150]
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50256) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return [random_prompt(n, seed) for seed, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(tiny_checkpoint, prompts) -> list[torch.Tensor]:
+    """transformers' log_softmax at every position of each prompt: [len(prompt), vocab]."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(tiny_checkpoint, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [torch.log_softmax(model(torch.tensor([p])).logits[0].float(), dim=-1)
+                for p in prompts]
+
+
+def make_llm(checkpoint, **overrides) -> LLM:
+    settings = dict(device="cpu", dtype="float32", num_kv_blocks=256, attention_backend="torch")
+    return LLM(model=str(checkpoint), **{**settings, **overrides})
+
+
+def check_against_hf(prompt: list[int], entries, hf: torch.Tensor, k: int) -> None:
+    """vLLM's shape (None, then one map per later token) and transformers' values: the token's
+    logprob and rank (bracketed: values within TOLERANCE of the token's may order either way),
+    and the k likeliest tokens, ranked 1..k, each at its own logprob."""
+    assert len(entries) == len(prompt) and entries[0] is None
+    for index in range(1, len(prompt)):
+        row, token, entry = hf[index - 1], prompt[index], entries[index]
+        own = entry[token]
+        assert abs(own.logprob - row[token].item()) < TOLERANCE
+        surely_above = int((row > row[token] + TOLERANCE).sum())
+        maybe_above = int((row >= row[token] - TOLERANCE).sum())
+        assert surely_above + 1 <= own.rank <= maybe_above
+        top = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= k)
+        assert [rank for rank, _ in top] == list(range(1, k + 1))
+        assert len(entry) == k + (own.rank > k)
+        hf_top = row.topk(k).values if k else []
+        for rank, t in top:
+            assert abs(entry[t].logprob - row[t].item()) < TOLERANCE
+            assert abs(entry[t].logprob - hf_top[rank - 1].item()) < TOLERANCE
+        assert all(lp.decoded_token for lp in entry.values())
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"max_num_batched_tokens": 16}, {"max_num_batched_tokens": 16, "async_scheduling": False},
+    {"num_kv_blocks": 40, "block_size": 4, "max_num_batched_tokens": 32},
+], ids=["one-chunk", "chunked-prefill", "chunked-sync", "preemption"])
+def test_prompt_logprobs_match_transformers_at_every_position(tiny_checkpoint, prompts,
+                                                              hf_logprobs, overrides):
+    llm = make_llm(tiny_checkpoint, **overrides)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output, hf in zip(prompts, outputs, hf_logprobs):
+        check_against_hf(prompt, output.prompt_logprobs, hf, k=3)
+        assert len(output.token_ids) == 4
+    if "num_kv_blocks" in overrides:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_zero_top_logprobs_is_the_prompt_token_alone(tiny_checkpoint, prompts, hf_logprobs):
+    llm = make_llm(tiny_checkpoint, max_num_batched_tokens=16)
+    [output] = llm.generate([prompts[3]], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                            use_tqdm=False)
+    for index, entry in enumerate(output.prompt_logprobs[1:], start=1):
+        token = prompts[3][index]
+        assert list(entry) == [token]
+        assert abs(entry[token].logprob - hf_logprobs[3][index - 1, token].item()) < TOLERANCE
+
+
+def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(tiny_checkpoint, prompts,
+                                                                 hf_logprobs):
+    llm = make_llm(tiny_checkpoint, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=2)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output, hf in zip(prompts, outputs, hf_logprobs):
+        assert output.token_ids == [] and output.text == "" and output.finish_reason == "length"
+        check_against_hf(prompt, output.prompt_logprobs, hf, k=2)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_a_cached_prompt_is_recomputed_for_its_logprobs_and_still_shared(tiny_checkpoint,
+                                                                         prompts, hf_logprobs):
+    """The prefix cache holds the prompt's blocks; a request asking for prompt logprobs takes
+    none of them (every position's logits are needed), publishes its own, and a later plain
+    request hits them."""
+    llm = make_llm(tiny_checkpoint)
+    engine, prompt = llm.engine, prompts[4]
+    plain = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate([prompt], plain, use_tqdm=False)
+    hits = engine.block_manager.prefix_hits
+    [scored] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2,
+                                                     prompt_logprobs=1), use_tqdm=False)
+    assert engine.block_manager.prefix_hits == hits and scored.metrics[0].num_cached_tokens == 0
+    check_against_hf(prompt, scored.prompt_logprobs, hf_logprobs[4], k=1)
+    [again] = llm.generate([prompt], plain, use_tqdm=False)
+    assert again.metrics[0].num_cached_tokens > 0
+
+
+def test_n_choices_share_the_prompt_logprobs_of_one(tiny_checkpoint, prompts, hf_logprobs):
+    llm = make_llm(tiny_checkpoint)
+    [output] = llm.generate([prompts[2]], SamplingParams(n=3, max_tokens=3, seed=1,
+                                                         prompt_logprobs=2), use_tqdm=False)
+    assert len(output.outputs) == 3
+    check_against_hf(prompts[2], output.prompt_logprobs, hf_logprobs[2], k=2)
+
+
+def test_slices_bound_the_float32_logits(tiny_checkpoint):
+    """A 1000-position job reaches lm_head in slices of at most SLICE_ROWS rows, and gives
+    what one whole pass would."""
+    torch.manual_seed(0)
+    vocab, width = 300, 8
+    weight = torch.randn(vocab, width)
+    hidden = torch.randn(1015, width)  # rows 9.. are the sequence's 1006 tokens
+    calls: list[int] = []
+
+    def lm_head(rows: torch.Tensor) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return rows @ weight.T
+
+    targets = torch.randint(0, vocab, (1000,))
+    seq = ScheduledSequence("a", [0] * 1006, 0, (0,), True, SamplingParams(),
+                            prompt_logprobs=PromptLogprobsJob(5, tuple(targets.tolist()), 4))
+    out = compute_prompt_logprobs(hidden, lm_head, [seq], np.array([9, 1015]))
+    assert max(calls) <= SLICE_ROWS and sum(calls) == 1000
+    whole = torch.log_softmax(hidden[14:1014] @ weight.T, dim=-1)
+    [result] = out.to_host().values()
+    assert result.first_index == 6
+    expected = whole.gather(1, targets[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor(result.token_logprobs), expected, atol=1e-5)
+    assert result.ranks == (whole >= expected[:, None]).sum(-1).tolist()
+    assert torch.allclose(torch.tensor(result.top_logprobs), whole.topk(4).values, atol=1e-5)
+
+
+def test_a_step_without_prompt_logprobs_computes_none(tiny_checkpoint, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("prompt logprobs computed for a step that asked for none")
+
+    monkeypatch.setattr("engine.worker.model_runner.compute_prompt_logprobs", refuse)
+    llm = make_llm(tiny_checkpoint, max_num_batched_tokens=16)
+    scheduled: list[SchedulerOutput] = []
+    launch = llm.engine.runner.launch
+    llm.engine.core.runner.launch = lambda out: scheduled.append(out) or launch(out)
+    [output] = llm.generate([random_prompt(40, 9)], SamplingParams(max_tokens=3),
+                            use_tqdm=False)
+    assert output.prompt_logprobs is None and len(output.token_ids) == 3
+    assert len(scheduled) > 3 and not any(out.has_prompt_logprobs for out in scheduled)
+    assert all(s.prompt_logprobs is None for out in scheduled for s in out.sequences)
+
+
+class PromptLogprobsFakeRunner(PipelinedFakeRunner):
+    """PipelinedFakeRunner that answers each PromptLogprobsJob with logprob -index at prompt
+    index `index` (rank index), so a position reported twice, or not at all, shows."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size)
+        self.skipped_reported = 0  # jobs that started past their chunk's first row
+
+    def launch(self, out: SchedulerOutput) -> CompletedStep:
+        result = super().launch(out).result
+        for seq in out.sequences:
+            job = seq.prompt_logprobs
+            if job is None:
+                continue
+            self.skipped_reported += job.first_row > 0
+            first = seq.start_position + job.first_row + 1
+            indices = range(first, first + len(job.target_ids))
+            result.prompt_logprobs[seq.request_id] = PromptLogprobs(
+                first, [-float(i) for i in indices], list(indices), [[] for _ in indices],
+                [[] for _ in indices])
+        return CompletedStep(result)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_preempted_prompts_report_each_position_once(async_scheduling):
+    """A small pool preempts requests in the middle of their prompts; recomputed, they report
+    only the positions not reported yet, and every request gets every position."""
+    num_blocks = 12
+    config = EngineConfig.from_flat(block_size=4, num_kv_blocks=num_blocks, max_num_seqs=4,
+                                    max_num_batched_tokens=12, async_scheduling=async_scheduling)
+    runner = PromptLogprobsFakeRunner(num_blocks, 4)
+    engine = LLMEngine(config, runner=runner)
+    rng = random.Random(3)
+    prompts = {f"r{i}": [rng.randrange(90) for _ in range(rng.randint(20, 36))]
+               for i in range(6)}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=rng.choice([0, 3]),
+                                                       ignore_eos=True, prompt_logprobs=0,
+                                                       output_kind="final_only"))
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({out.request_id: out for out in engine.step() if out.finished})
+        engine.block_manager.check_invariants()
+    assert engine.scheduler.num_preemptions > 0 and runner.skipped_reported > 0
+    for rid, prompt in prompts.items():
+        entries = finals[rid].prompt_logprobs
+        assert entries is not None and entries[0] is None
+        assert [e[prompt[i]].logprob for i, e in enumerate(entries) if i] == \
+            [-float(i) for i in range(1, len(prompt))]
+    assert engine.block_manager.num_free_blocks == num_blocks
