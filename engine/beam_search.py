@@ -36,13 +36,16 @@ Where vLLM's v1 beam search differs, this module follows HF, and says so here:
   step's top B; it never stops before max_tokens (no early_stopping); its length penalty
   divides by the length of the prompt plus the generated tokens, less a final EOS, and is
   applied only to rank the finished and live beams once at the end.
-- A step's candidates are each beam's top 2B tokens by raw logprob. `temperature` goes to
-  the one-token requests, as in vLLM, and changes only the token they sample, which is not
-  a candidate: it never ranks above its beam's top 2B, so vLLM never keeps it as a live beam
-  either (it does keep a sampled EOS as finished). HF's beam sampling (multinomial draws over
-  the cumulative scores) is not reproduced.
+- A step's candidates are each beam's top 2B tokens by raw logprob, so `temperature` changes
+  nothing and the one-token requests run greedily. vLLM passes it to them, and their
+  sampled token joins the candidates; it never ranks above its beam's top 2B, so vLLM never
+  keeps it as a live beam either, only a sampled EOS as finished. HF's beam sampling
+  (multinomial draws over the cumulative scores) is not reproduced.
 - Returned tokens hold the prompt, as vLLM's do; a final EOS is among them only with
   include_stop_str_in_output (vLLM's server rule; its offline API always keeps it).
+
+One difference from HF remains: logprobs are summed in float64 here, in float32 there; the
+two agree unless candidates tie within float32 rounding.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ class BeamSearchParams:
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
-    temperature: float = 0.0
+    temperature: float = 0.0  # vLLM's field; it does not change the result (module docstring)
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     early_stopping: bool | str = False
@@ -170,7 +173,7 @@ class BeamSearch:
         self.params = params
         self.eos_token_id = eos_token_id
         # the one-token request each live beam runs per step
-        self.step_params = SamplingParams(max_tokens=1, temperature=params.temperature,
+        self.step_params = SamplingParams(max_tokens=1, temperature=0.0,
                                           logprobs=params.num_candidates)
         self._live: list[_Beam] = [_Beam()]
         self._finished: list[_Finished] = []

@@ -4,7 +4,9 @@
 #   bash scripts/gpu_bench.sh latency offline kernels          # results into docs/benchmarks/
 #   OUT=/tmp/out bash scripts/gpu_bench.sh tests spec spec-draft
 # Stages and their knobs (environment variables):
-#   tests             kernel and graph tests at full size (log only)
+#   tests             kernel and graph tests at full size, and the structured-output, prompt
+#                     logprobs and beam search tests (log only)
+#   features          scripts/bench_features.py on gpt2: issue 27's speed table; FEATURES_ARGS
 #   latency           scripts/bench_latency.py; MODELS (default gpt2,gpt2-xl), LATENCY_ARGS
 #   offline           scripts/bench_offline.py on gpt2; NUM_PROMPTS (default 1000), OFFLINE_ARGS
 #   kernels           scripts/bench_kernels.py (kernels_<device>.{json,md})
@@ -45,7 +47,8 @@ for stage in "$@"; do
     echo "=== $stage ==="
     dir=$OUT/$stage log=$LOGS/$stage.log
     case $stage in
-        tests) python3 -m pytest tests/kernels tests/worker/test_cuda_graphs.py -q -x 2>&1 | tee "$log" | tail -25 ;;
+        tests) python3 -m pytest tests/kernels tests/worker/test_cuda_graphs.py tests/worker/test_structured_outputs.py tests/worker/test_prompt_logprobs.py tests/worker/test_beam_search.py -q -x 2>&1 | tee "$log" | tail -25 ;;
+        features) python3 scripts/bench_features.py --model gpt2 --out "$dir" ${FEATURES_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s" ;;
         latency) python3 scripts/bench_latency.py --models "${MODELS:-gpt2,gpt2-xl}" --anchor .anchor/compiled_decode_anchor.py --out "$dir" ${LATENCY_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s" ;;
         offline) python3 scripts/bench_offline.py --model gpt2 --num-prompts "${NUM_PROMPTS:-1000}" --out "$dir" ${OFFLINE_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s\]" ;;
         kernels) python3 scripts/bench_kernels.py --out "$dir" 2>&1 | tee "$log" | tail -30 ;;

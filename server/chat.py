@@ -50,7 +50,8 @@ SHARED_FIELDS = ("model", "temperature", "top_p", "n", "best_of", "stream", "str
                  "add_special_tokens", "truncate_prompt_tokens", "return_token_ids",
                  "return_tokens_as_token_ids", "response_format", "structured_outputs",
                  "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "guided_decoding_backend", "prompt_logprobs")
+                 "guided_decoding_backend", "prompt_logprobs", "use_beam_search",
+                 "length_penalty", "early_stopping")
 NO_TEMPLATE = ("this model has no chat template: start the server with --chat-template "
                "FILE_OR_TEMPLATE (a Jinja template, as in a tokenizer_config.json)")
 
@@ -203,8 +204,9 @@ def named_as_sent(req: ChatCompletionRequest) -> Iterator[None]:
             err.param = "max_completion_tokens" if req.max_completion_tokens is not None \
                 else "max_tokens" if req.max_tokens is not None else "messages"
         else:
-            err.param = {"prompt": "messages", "logprobs": "top_logprobs"}.get(
-                err.param or "", err.param)
+            logprobs = "top_logprobs" if req.top_logprobs is not None else "logprobs"
+            err.param = {"prompt": "messages", "logprobs": logprobs}.get(err.param or "",
+                                                                        err.param)
         raise
 
 
@@ -234,11 +236,15 @@ class ChatService:
             completion = completion_request(req, prompt, limits)
             [prompt] = truncate_prompts([prompt], prompt_tokens_kept(completion,
                                                                      limits.max_model_len))
-            structured = await self.completions.structured_outputs(completion)
-            params = self.completions.sampling_params(completion, [prompt], structured)
-            generation, watcher = self.completions.submit(http_request, engine_id, [prompt],
-                                                          params, req.cache_salt,
-                                                          req.priority or 0)
+            if completion.use_beam_search:
+                generation, watcher = self.completions.submit_beam_search(
+                    http_request, engine_id, [prompt], completion)
+            else:
+                structured = await self.completions.structured_outputs(completion)
+                params = self.completions.sampling_params(completion, [prompt], structured)
+                generation, watcher = self.completions.submit(http_request, engine_id,
+                                                              [prompt], params, req.cache_salt,
+                                                              req.priority or 0)
         response_id = f"chatcmpl-{req.request_id}" if req.request_id else engine_id
         reply = _ChatReply(self.completions, req, response_id, prompt,
                            _echo_text(req, messages))

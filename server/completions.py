@@ -26,6 +26,7 @@ from engine.core.request import SamplingParams, StructuredOutputsParams
 from engine.core.scheduler import check_fits
 from engine.output.outputs import CompletionOutput, RequestOutput
 from engine.output.tokenizer import Tokenizer
+from server.beam_search import BeamSearchGeneration, beam_search_params
 from server.engine_client import EngineClient, ClientDisconnected, Generation, RequestFailed
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, Limits, RequestError, Usage, finite_logprob,
@@ -62,9 +63,12 @@ class CompletionService:
         reply = _Reply(self, req, response_id, prompts)
         if max_tokens_of(req) == 0 and prompt_logprobs_of(req) is None:  # echo only
             return reply.prompt_only()
-        params = self.sampling_params(req, prompts, await self.structured_outputs(req))
-        generation, watcher = self.submit(http_request, engine_id, prompts, params,
-                                          req.cache_salt, req.priority or 0)
+        if req.use_beam_search:
+            generation, watcher = self.submit_beam_search(http_request, engine_id, prompts, req)
+        else:
+            params = self.sampling_params(req, prompts, await self.structured_outputs(req))
+            generation, watcher = self.submit(http_request, engine_id, prompts, params,
+                                              req.cache_salt, req.priority or 0)
         if req.stream:
             return StreamingResponse(reply.stream(generation, watcher),
                                      media_type="text/event-stream")
@@ -77,6 +81,16 @@ class CompletionService:
         """Queue the prompts in the engine, with a watcher that aborts them when the client
         goes away; `finish` ends both."""
         generation = self.engine.generate(engine_id, prompts, params, cache_salt, priority)
+        return generation, asyncio.create_task(_cancel_on_disconnect(http_request, generation))
+
+    def submit_beam_search(self, http_request: Request, engine_id: str,
+                           prompts: list[list[int]], req: CompletionRequest
+                           ) -> tuple[BeamSearchGeneration, asyncio.Task[None]]:
+        """use_beam_search: `submit` for a beam search per prompt (server/beam_search.py),
+        whose generation the replies read as they read a sampled one."""
+        params = beam_search_params(req, prompts, self.limits.max_model_len)
+        generation = BeamSearchGeneration(self.engine, self.tokenizer, engine_id, prompts,
+                                          params, req.cache_salt, req.priority or 0)
         return generation, asyncio.create_task(_cancel_on_disconnect(http_request, generation))
 
     def check_model(self, model: str | None) -> None:

@@ -218,7 +218,7 @@ class EngineClient:
         `params`: every prompt's, or one each (the same n). `cache_salt`: its prefix-cache
         tenant, `priority`: its place under the priority scheduling policy (vLLM's fields)."""
         each = params if isinstance(params, list) else [params] * len(prompts)
-        self._check_admission(prompts, each)
+        self.check_admission(prompts, each)
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         arrival = time.monotonic()
         try:
@@ -240,7 +240,10 @@ class EngineClient:
             self._observe_request(own)
         return generation
 
-    def _check_admission(self, prompts: list[list[int]], each: list[SamplingParams]) -> None:
+    def check_admission(self, prompts: list[list[int]], each: list[SamplingParams]) -> None:
+        """What generate() checks before queueing anything: the cost (prompts x n) against
+        the queue cap, the engine's health, each prompt + max_tokens against the context.
+        Raises RequestError (400 or 503)."""
         n = each[0].n
         cost, cap = len(prompts) * n, self.max_queued_requests
         if cost > cap:

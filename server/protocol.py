@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from engine.core.request import MAX_LOGPROBS, SamplingParams
 from engine.output.outputs import PromptLogprobsList
 from engine.output.tokenizer import Tokenizer, check_token_ids, is_token_list
-from server.structured_outputs import StructuredFields
+from server.structured_outputs import SpecError, StructuredFields, spec_of
 
 LOGIT_BIAS_LIMIT = 100.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -105,6 +105,10 @@ class CompletionRequest(_Strict, StructuredFields):
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1, le=INT64_MAX)] | None = None
     return_token_ids: StrictBool | None = None  # choices carry prompt_token_ids, token_ids
     return_tokens_as_token_ids: StrictBool | None = None  # logprob tokens as "token_id:<id>"
+    # beam search (server/beam_search.py): n is its width; early_stopping as transformers has it
+    use_beam_search: StrictBool | None = False
+    length_penalty: StrictFloat | None = 1.0
+    early_stopping: StrictBool | Literal["never"] | None = False
     # each prompt token's logprob and the top-k at its position (each choice's prompt_logprobs)
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -173,8 +177,6 @@ def request_body_schema(model_cls: type[BaseModel]) -> dict[str, Any]:
 # silently ignored. Fields in neither this table nor the request model are logged, once per
 # name, as vLLM does.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False,), "beam search is not implemented"),
-    "length_penalty": ((1.0, 1), "length_penalty applies to beam search, not implemented"),
     "logits_processors": (([],), "custom logits processors are not supported"),
     # GPT-2's one special token, <|endoftext|>, is left out of the text (vLLM's default,
     # skip_special_tokens=True); spacing between specials is then moot
@@ -228,6 +230,7 @@ def parse_completion_request(body: Any, limits: Limits) -> CompletionRequest:
     request = parse_model(CompletionRequest, body)
     check_field_support(body, CompletionRequest)
     _check_cross_fields(request, limits)
+    _check_beam_search(request)
     check_priority(request.priority, limits)
     parse_prompt(request.prompt, limits)
     _check_stop(request, limits.vocab_size)
@@ -244,11 +247,50 @@ def check_priority(priority: int | None, limits: Limits) -> None:
                            param="priority", code="unsupported_field")
 
 
+# The completion fields beam search does not take, with the values that ask for nothing: it
+# ranks the model's raw logprobs and ends a beam at EOS or max_tokens only.
+NOT_WITH_BEAM_SEARCH: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None,), "prompt_logprobs": (None,), "stop": (None, []),
+    "stop_token_ids": (None, []), "top_p": (None, 1.0), "top_k": (None, -1, 0),
+    "min_p": (None, 0.0), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+    "repetition_penalty": (None, 1.0), "seed": (None,), "logit_bias": (None, {}),
+    "min_tokens": (None, 0), "allowed_token_ids": (None,), "bad_words": (None, []),
+}
+BEAM_ONLY = {"length_penalty": 1.0, "early_stopping": False}  # and their neutral values
+
+
+def _check_beam_search(req: CompletionRequest) -> None:
+    """use_beam_search takes n as its width, up to MAX_LOGPROBS // 2 (a step asks for 2n
+    logprobs), and none of the fields it would ignore; length_penalty and early_stopping
+    apply to beam search only."""
+    if not req.use_beam_search:
+        for name, neutral in BEAM_ONLY.items():
+            if getattr(req, name) not in (None, neutral):
+                raise RequestError(f"{name} applies to beam search only: send it with "
+                                   "use_beam_search: true", param=name)
+        return
+    if (req.n or 1) > MAX_LOGPROBS // 2:
+        raise RequestError(f"n is the beam width with use_beam_search: at most "
+                           f"{MAX_LOGPROBS // 2}, got {req.n}", param="n")
+    for name, neutral in NOT_WITH_BEAM_SEARCH.items():
+        if getattr(req, name) not in neutral:
+            raise RequestError(f"{name} cannot be used with use_beam_search: beam search ranks "
+                               "the model's raw logprobs and ends a beam at EOS or max_tokens "
+                               "only", param=name)
+    try:
+        constrained = spec_of(req)
+    except SpecError as err:
+        raise RequestError(str(err), param=err.param) from None
+    if constrained is not None:
+        raise RequestError(f"{constrained[1]} cannot be used with use_beam_search: beam search "
+                           "does not constrain its tokens", param=constrained[1])
+
+
 def _check_cross_fields(req: CompletionRequest, limits: Limits) -> None:
     n = req.n or 1
     if n > limits.max_n:
         raise RequestError(f"n must be at most {limits.max_n}, got {n}", param="n")
-    if n > 1 and req.temperature == 0.0:
+    if n > 1 and req.temperature == 0.0 and not req.use_beam_search:
         raise RequestError(f"n={n} with temperature=0 (greedy) would return {n} identical "
                            "choices; use n=1 or a temperature > 0", param="n")
     if req.best_of is not None and req.best_of != n:

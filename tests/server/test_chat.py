@@ -212,7 +212,7 @@ def test_text_parts_are_joined_and_other_parts_are_refused(http):
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"), ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-    ("use_beam_search", True), ("priority", 1),
+    ("priority", 1),
 ])
 def test_unsupported_fields_are_refused_by_name(http, field, value):
     error = refused(http, {"messages": USER, field: value}, field)

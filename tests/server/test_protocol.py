@@ -227,7 +227,6 @@ def test_outputs_of_several_steps_merge_into_one_delta_per_choice():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("use_beam_search", True), ("length_penalty", 0.5),
     ("priority", 5), ("logits_processors", ["a.b"]),
     ("guided_whitespace_pattern", r"\s*"), ("skip_special_tokens", False)])
 def test_a_vllm_field_asking_for_what_is_not_implemented_is_a_400_naming_it(field, value):

@@ -1,24 +1,18 @@
 """Beam search (engine/beam_search.py) through the offline LLM on CPU, against transformers'
-greedy beam search (`generate(num_beams=B, ...)`) on the same random weights.
-
-The weights are the tiny random GPT-2 with two changes that make the comparison meaningful:
-the token embeddings (tied with the LM head) are scaled up, so that the logits spread and
-candidates rarely come within float32 noise of each other; and EOS's logit is raised
-through ln_f's bias, so that beams often end by EOS and the length penalty and the
-early-stopping rules decide between hypotheses of different lengths."""
+greedy beam search (`generate(num_beams=B, ...)`) on the same random weights: a tiny GPT-2
+whose candidates rarely come within float32 noise of each other and whose beams often end by
+EOS, so that the length penalty and the early-stopping rules decide between hypotheses of
+different lengths (tests/peaky_checkpoint.py)."""
 import random
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine import LLM
 from engine.beam_search import BeamSearch, BeamSearchParams, step_result
 from engine.core.request import EOS_TOKEN_ID
-from engine.worker.models.random_checkpoint import make_checkpoint
+from peaky_checkpoint import make_peaky_checkpoint
 
-EMBEDDING_SCALE = 3.0
-EOS_LOGIT_BOOST = 5.0
 MAX_TOKENS = 12
 PROMPT_LENGTHS = [1, 5, 17, 40]
 # (length_penalty, early_stopping)
@@ -37,16 +31,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def peaky_checkpoint(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("peaky-gpt2"), n_layer=2, n_embd=64,
-                           n_head=4, seed=0)
-    weights = load_file(path / "model.safetensors")
-    wte = weights["transformer.wte.weight"] * EMBEDDING_SCALE
-    eos = wte[EOS_TOKEN_ID]
-    weights["transformer.wte.weight"] = wte
-    weights["transformer.ln_f.bias"] = (weights["transformer.ln_f.bias"]
-                                        + EOS_LOGIT_BOOST * eos / eos.norm() ** 2)
-    save_file(weights, path / "model.safetensors")
-    return path
+    return make_peaky_checkpoint(tmp_path_factory.mktemp("peaky-gpt2"))
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +156,15 @@ def test_beam_steps_share_the_prefix_blocks_of_their_beams(llm):
     assert min(expected[1:]) >= 4 * 2 * block_size  # four beams sharing the prompt's blocks
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_temperature_does_not_change_the_beams(llm, prompts):
+    """Candidates are each beam's top 2B raw logprobs, whatever a step would sample."""
+    def tokens(temperature):
+        params = beam_params(4, 1.0, False, temperature=temperature)
+        return [[seq.tokens for seq in out.sequences] for out in llm.beam_search(prompts, params)]
+
+    assert tokens(1.5) == tokens(0.0)
 
 
 def test_batched_prompts_search_independently(llm, prompts):
