@@ -135,11 +135,11 @@ def bench_beam(llm: LLM, prompts: Prompts, repeats: int = 3) -> dict:
 
     beam = BeamSearchParams(beam_width=4, max_tokens=64, ignore_eos=True)
     sampled = SamplingParams(n=4, max_tokens=64, temperature=1.0, ignore_eos=True)
-    llm.beam_search([{"prompt_token_ids": prompts.take(1, 64)[0]}], beam)
+    llm.beam_search(prompts.take(1, 64), beam)
     beams, samples = [], []
     for _ in range(repeats):
         [prompt] = prompts.take(1, 64)
-        beams.append(timed(lambda: llm.beam_search([{"prompt_token_ids": prompt}], beam))[0])
+        beams.append(timed(lambda: llm.beam_search([prompt], beam))[0])
         samples.append(timed(lambda: generate(llm, [prompts.take(1, 64)[0]], sampled))[0])
     return {"beam_4x64_s": statistics.median(beams), "n4_sampling_64_s":
             statistics.median(samples),

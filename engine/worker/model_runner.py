@@ -144,6 +144,7 @@ class ModelRunner:
                 pending.sample(None)
         return pending
 
+    @torch.inference_mode()  # a deferred sample runs after launch_on has returned
     def _sample(self, step_id: int, logits: torch.Tensor, plan: StepPlan,
                 draw_inputs: DrawInputs, drawn: torch.Tensor | None,
                 mask: GrammarMask | None) -> SamplerOutput:
