@@ -171,9 +171,10 @@ class Sampler:
             drawn = self.draw(logits, upload(temperature, torch.float32, device),
                               upload(seeds, torch.int64, device))
         rows = np.array([i for i, s in enumerate(seqs) if s.params.structured_outputs])
-        masked = apply_grammar_mask(sanitize(logits[upload(rows, torch.long, device)].float()),
+        on_device = upload(rows, torch.long, device)
+        masked = apply_grammar_mask(sanitize(logits[on_device].float()),
                                     [seqs[i] for i in rows], mask)
-        drawn[upload(rows, torch.long, device)] = self.draw(
+        drawn[on_device] = self.draw(
             masked, upload(temperature[rows], torch.float32, device),
             upload(seeds[rows], torch.int64, device))
         return drawn
@@ -204,9 +205,11 @@ def apply_grammar_mask(logits: torch.Tensor, seqs: list[ScheduledSequence],
         raise ValueError("the grammar mask does not match the step's constrained rows")
     words = upload(mask.bitmask, torch.int32, logits.device)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    banned = ((words[:, :, None] >> bits) & 1 == 0).flatten(1)[:, :logits.shape[-1]]
+    if len(rows) == len(seqs):  # the masked draw's case: every row is constrained
+        return logits.masked_fill_(banned, NEG_INF)
     rows_t = upload(rows, torch.long, logits.device)
-    logits[rows_t] = logits[rows_t].masked_fill(~allowed, NEG_INF)
+    logits[rows_t] = logits[rows_t].masked_fill(banned, NEG_INF)
     return logits
 
 
