@@ -8,6 +8,7 @@ this true while steps overlap on the device.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -20,7 +21,8 @@ MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, by spec; a few MB at most
 # below this many rows one thread fills the mask: a thread pool's hand-off costs more than
 # the ~10 us a row takes
 BATCH_FILL_ROWS = 32
-FILL_THREADS = 4
+# a JSON state can take ~100 us to fill; the core's loop is one thread, the others are idle
+FILL_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) - 1))
 
 
 class StructuredOutputs:
