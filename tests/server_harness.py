@@ -17,6 +17,19 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# a chat template for GPT-2, which ships none: "role: content" lines, then the reply's turn
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+
+
+def chat_server(checkpoint: Path, tmp_path_factory, *flags: str) -> ServerProcess:
+    """A server named "tiny" with 256 KV blocks and CHAT_TEMPLATE, plus `flags`."""
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    return ServerProcess(checkpoint, tmp_path_factory.mktemp("srv") / "server.log",
+                         "--served-model-name", "tiny", "--num-kv-blocks", "256",
+                         "--chat-template", str(template), *flags)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

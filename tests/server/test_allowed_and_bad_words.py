@@ -7,28 +7,22 @@ import json
 
 import httpx
 import pytest
-from server_harness import ServerProcess
+from server_harness import CHAT_TEMPLATE, chat_server
 
 from engine.output.tokenizer import Tokenizer
 
 ALLOWED = [21555, 21557, 21558]
 PROMPT = "The quick brown fox jumps over the lazy dog"
 USER = [{"role": "user", "content": PROMPT}]
-TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 TOKENIZER = Tokenizer()
 WORDS = [TOKENIZER.encode(" " + word)[0] for word in ("hello", "world", "cat", "dog")]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    template = tmp_path_factory.mktemp("template") / "chat.jinja"
-    template.write_text(TEMPLATE)
-    proc = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("srv") / "server.log",
-                         "--served-model-name", "tiny", "--num-kv-blocks", "256",
-                         "--chat-template", str(template))
+    proc = chat_server(tiny_checkpoint, tmp_path_factory)
     yield proc
     proc.stop()
-
 
 
 def post(http: httpx.Client, path: str, **body) -> dict:
@@ -128,7 +122,7 @@ def test_chat_takes_allowed_token_ids_and_bad_words(http):
 def test_chat_return_token_ids_and_tokens_as_token_ids(http):
     body = chat(http, max_tokens=6, temperature=0, return_token_ids=True, logprobs=True,
                 top_logprobs=2, return_tokens_as_token_ids=True)
-    prompt = TOKENIZER.encoding.encode(TEMPLATE.replace(
+    prompt = TOKENIZER.encoding.encode(CHAT_TEMPLATE.replace(
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
         f"user: {PROMPT}\n"), allowed_special="all")
     assert body["prompt_token_ids"] == prompt

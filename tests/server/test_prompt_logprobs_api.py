@@ -14,20 +14,15 @@ import pytest
 import torch
 
 from engine.output.tokenizer import Tokenizer
-from server_harness import ServerProcess
+from server_harness import chat_server
 
 TOLERANCE = 1e-4
-TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 TOKENIZER = Tokenizer()
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    template = tmp_path_factory.mktemp("template") / "chat.jinja"
-    template.write_text(TEMPLATE)
-    proc = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("srv") / "server.log",
-                         "--served-model-name", "tiny", "--num-kv-blocks", "256",
-                         "--max-num-batched-tokens", "16", "--chat-template", str(template))
+    proc = chat_server(tiny_checkpoint, tmp_path_factory, "--max-num-batched-tokens", "16")
     yield proc
     proc.stop()
 

@@ -10,24 +10,19 @@ import re
 import httpx
 import jsonschema
 import pytest
-from server_harness import ServerProcess
+from server_harness import chat_server
 
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
           "n": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["answer", "n"], "additionalProperties": False}
 RESPONSE_FORMAT = {"type": "json_schema",
                    "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
-TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 USER = [{"role": "user", "content": "Is it? Answer in JSON."}]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
-    template = tmp_path_factory.mktemp("template") / "chat.jinja"
-    template.write_text(TEMPLATE)
-    proc = ServerProcess(tiny_checkpoint, tmp_path_factory.mktemp("srv") / "server.log",
-                         "--served-model-name", "tiny", "--num-kv-blocks", "256",
-                         "--chat-template", str(template))
+    proc = chat_server(tiny_checkpoint, tmp_path_factory)
     yield proc
     proc.stop()
 
