@@ -1,7 +1,8 @@
 """Puts the engine together from a config, in the order a reader follows:
 
     build_runner    load the model ─▶ size the KV cache ─▶ add speculation ─▶ capture graphs
-    build_engine_core   a runner, the speculator (its switch-off timed on the runner), the core
+    build_engine_core   a runner, the speculator (its switch-off timed on the runner), the
+                        grammars of structured outputs, the core
 
 The only module that wires engine/worker/ and engine/speculative/ into engine/core/: the
 core and the worker know speculation only through their small protocols.
@@ -16,6 +17,7 @@ from engine.core.engine_core import EngineCore
 from engine.speculative.speculator import build_speculator
 from engine.speculative.switch import StepTimes
 from engine.structured.manager import StructuredOutputs
+from engine.structured.process import GrammarProcess
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,17 @@ def build_engine_core(config: EngineConfig, runner=None,
         runner = build_runner(config)
         step_times = measured_step_times(config, runner)
     return EngineCore(config, runner, build_speculator(config, step_times),
-                      StructuredOutputs())
+                      build_grammars(config, getattr(runner, "device", None)))
+
+
+def build_grammars(config: EngineConfig, device) -> StructuredOutputs | GrammarProcess:
+    """On CUDA, where the core's thread sets the pace, grammars live in a child process whose
+    mask fill overlaps that thread's work; elsewhere in the core's process (a child takes
+    seconds to import xgrammar, and a CPU forward dwarfs a fill)."""
+    max_rows = config.scheduler.max_num_seqs
+    if device is not None and device.type == "cuda":
+        return GrammarProcess(max_rows, pin=True)
+    return StructuredOutputs(max_rows)
 
 
 def measured_step_times(config: EngineConfig, runner) -> StepTimes | None:

@@ -103,7 +103,7 @@ def bench_compile() -> dict:
     from engine.structured.manager import StructuredOutputs
 
     setup, _ = timed(compiler)
-    grammars = StructuredOutputs()
+    grammars = StructuredOutputs(max_rows=1)
     spec = StructuredOutputsParams(json=dict(SCHEMA, title=f"fresh-{time.time()}"))
 
     def compile_one(seq_id: str) -> None:

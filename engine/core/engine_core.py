@@ -9,10 +9,13 @@ With async_scheduling off, each step is applied before step() returns. A step fl
 `apply_before_next` (a request in it may speculate) is applied before the next is scheduled:
 wait N ─▶ update N ─▶ schedule N+1 ─▶ launch N+1 (docs/speculative.md section 4).
 
-A step with structured-output rows samples last: its forward is launched, step N is applied
-(the grammars take its tokens), then the rows' mask is built and the step samples:
-schedule N+1 ─▶ launch N+1's forward ─▶ wait N ─▶ update N ─▶ mask ─▶ sample N+1. A
-constrained sequence waits outside the scheduler until its grammar has compiled.
+A step with structured-output rows samples late: its forward is launched, step N is applied
+(the grammars take its tokens), its mask is requested, and it samples just before the next
+launch, so the mask fills while the core hands over step N and schedules N+2:
+schedule N+1 ─▶ launch N+1's forward ─▶ wait N ─▶ update N ─▶ request mask N+1 ─▶ ...
+─▶ schedule N+2 ─▶ take mask, sample N+1 ─▶ launch N+2. A constraint that completes ends its
+sequence when the mask after its last token is taken. A constrained sequence waits outside
+the scheduler until its grammar has compiled.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from engine.core.batch import GrammarMask, PromptLogprobs, ScheduledSequence
+from engine.core.batch import GrammarMask, PromptLogprobs
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
@@ -35,20 +38,21 @@ COMPILE_WAIT = 0.005  # seconds a core with nothing but compiling grammars waits
 
 
 class Grammars(Protocol):
-    """Structured outputs as the core uses them (engine/structured/manager.py)."""
+    """Structured outputs as the core uses them (engine/structured/)."""
 
     def submit(self, seq_id: str, spec: StructuredOutputsParams) -> None: ...
 
     # (seq id, None: ready | an error message) for each compile that ended
     def take_compiled(self, timeout: float = 0.0) -> list[tuple[str, str | None]]: ...
 
-    def mask(self, sequences: list[ScheduledSequence]) -> GrammarMask: ...
+    def advance(self, seq_id: str, tokens: list[int]) -> None: ...  # its new output tokens
 
-    def advance(self, request: Request) -> bool: ...  # True: the constraint is complete
+    def request_mask(self, rows: list[str]) -> None: ...  # the constrained rows, in order
+
+    # the mask requested, and the sequences whose constraint completed since the last one
+    def take_mask(self) -> tuple[GrammarMask, list[str]]: ...
 
     def release(self, seq_id: str) -> None: ...
-
-    def __contains__(self, seq_id: str) -> bool: ...  # it has a matcher
 
 
 class EngineCore:
@@ -67,6 +71,8 @@ class EngineCore:
                                    speculator=self.speculator)
         self.grammars = grammars
         self._compiling: dict[str, Request] = {}  # waiting for their grammar
+        self._grammar_tokens: dict[str, int] = {}  # seq id -> output tokens its matcher took
+        self._completed: list[Request] = []  # ended by their grammar, to be reported
         self.failed: list[SequenceFailed] = []  # sequences ended by the core, to be reported
         self._in_flight = None  # (SchedulerOutput, pending result) of the launched step
         self._num_sent: dict[str, int] = {}  # seq id -> output tokens already reported
@@ -98,9 +104,10 @@ class EngineCore:
         for seq_id in seq_ids:
             self.scheduler.finish(seq_id, RequestStatus.FINISHED_ABORTED)
             self._num_sent.pop(seq_id, None)
-            if self.grammars is not None:
-                self._compiling.pop(seq_id, None)
+            if self.grammars is not None and self._compiling.pop(seq_id, None) is not None:
                 self.grammars.release(seq_id)
+            elif self.grammars is not None:
+                self._release_grammar(seq_id)
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or self._in_flight is not None
@@ -114,14 +121,16 @@ class EngineCore:
         if self._compiling:
             self._admit_compiled()
         scheduled = self.scheduler.schedule()
+        if self._in_flight is not None:  # its placeholders' tokens: sampled before the launch
+            self._sample_masked(self._in_flight[1])
         launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled))
         if self.config.scheduler.async_scheduling:
             previous, self._in_flight = self._in_flight, launched
             if previous is not None:  # never a step applied above: that left nothing in flight
                 outputs = self._apply(*previous)
-            self._sample_masked(launched)
+            self._request_mask(launched)
         elif launched is not None:
-            self._sample_masked(launched)
+            self._request_mask(launched)
             outputs = self._apply(*launched)
         return StepOutput(outputs, self.stats(scheduled.num_tokens))
 
@@ -135,22 +144,44 @@ class EngineCore:
                 continue
             if error is None:
                 self.scheduler.add(request)
+                self._grammar_tokens[seq_id] = 0
             else:
                 del self._num_sent[seq_id]
                 self.failed.append(SequenceFailed(seq_id, f"structured outputs: {error}"))
 
-    def _sample_masked(self, launched) -> None:
-        """A launched step with constrained rows samples now, under their grammars' mask:
-        every step before it has been applied."""
+    def _request_mask(self, launched) -> None:
+        """A launched step with constrained rows asks for their mask: every step before it
+        has been applied, so the grammars have taken every token before its rows'."""
         if launched is not None and getattr(launched[1], "needs_mask", False):
-            launched[1].sample(self.grammars.mask(launched[0].sequences))
+            self.grammars.request_mask([s.request_id for s in launched[0].sequences
+                                        if s.sample and s.params.structured_outputs])
+
+    def _sample_masked(self, pending) -> None:
+        """A step waiting for its mask samples under it; the constraints completed by then
+        end their sequences (their tokens in this step are dropped)."""
+        if not getattr(pending, "needs_mask", False):
+            return
+        mask, completed = self.grammars.take_mask()
+        for seq_id in completed:
+            request = self.scheduler.requests.get(seq_id)
+            if seq_id not in self._grammar_tokens or request is None:
+                continue  # it ended otherwise since its matcher took its last token
+            self.scheduler.finish(seq_id, RequestStatus.FINISHED_STOPPED,
+                                  request.output_token_ids[-1])
+            self._completed.append(request)
+            self._release_grammar(seq_id)
+        pending.sample(mask)
 
     def _apply(self, scheduled, pending) -> list[SequenceOutput]:
-        """Wait for a launched step, update the scheduler, and report what changed."""
+        """Wait for a launched step, update the scheduler, and report what changed (and the
+        sequences their grammar ended since the last step was applied)."""
+        self._sample_masked(pending)
         result = pending.wait()
         changed = self.scheduler.update(scheduled, result)
         if self.grammars is not None:
             self._advance_grammars(changed)
+            changed += self._completed
+            self._completed = []
         logprobs = dict(zip(result.request_ids, result.logprobs)) if any(result.logprobs) else {}
         prompt_logprobs = result.prompt_logprobs  # a changed request's are applied ones
         return [out for request in changed
@@ -158,17 +189,23 @@ class EngineCore:
                                            prompt_logprobs.get(request.request_id)))]
 
     def _advance_grammars(self, changed: list[Request]) -> None:
-        """The constrained requests' matchers take their new tokens; a complete constraint
-        ends its request (its stop token, if it has one, is then the last token)."""
+        """The constrained requests' matchers take their new tokens; a finished request's
+        matcher goes."""
         for request in changed:
-            if request.request_id not in self.grammars:
+            seq_id = request.request_id
+            if seq_id not in self._grammar_tokens:
                 continue
-            complete = self.grammars.advance(request)
-            if complete and not request.status.is_finished:
-                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED,
-                                      request.output_token_ids[-1])
             if request.status.is_finished:
-                self.grammars.release(request.request_id)
+                self._release_grammar(seq_id)
+                continue
+            taken = self._grammar_tokens[seq_id]
+            if request.num_output_tokens > taken:
+                self.grammars.advance(seq_id, request.output_token_ids[taken:])
+                self._grammar_tokens[seq_id] = request.num_output_tokens
+
+    def _release_grammar(self, seq_id: str) -> None:
+        if self._grammar_tokens.pop(seq_id, None) is not None:
+            self.grammars.release(seq_id)
 
     def _output_of(self, request: Request, token_logprobs,
                    prompt_logprobs: PromptLogprobs | None = None) -> SequenceOutput | None:

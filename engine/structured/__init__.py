@@ -2,9 +2,13 @@
 EBNF grammar accepts, whatever the model prefers (xgrammar; docs/architecture.md
 says why not llguidance).
 
-    frontend    check(spec)                  a bad spec is the client's 400, before the core
-    core add    StructuredOutputs.submit     compiles off the loop; the sequence waits
-    each step   .mask(step)                  one bitmask row per constrained sampled row
-    runner      sampler: logits[row] = -inf where the row's bit is 0
-    core apply  .advance(request)            the matchers take the step's tokens
+    frontend      check(spec)                   a bad spec is the client's 400, before the core
+    core add      grammars.submit               compiles off the loop; the sequence waits
+    core apply    .advance(seq, tokens)         the matchers take the step's tokens
+                  .request_mask(rows)           the next step's rows start filling
+    before launch .take_mask()                  the mask, and the constraints now complete
+    runner        sampler: only a row's allowed tokens can be drawn
+
+`StructuredOutputs` (manager.py) does it all in the core's process; `GrammarProcess`
+(process.py) in a child process, so the fill overlaps the core's thread (CUDA engines).
 """

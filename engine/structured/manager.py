@@ -1,37 +1,49 @@
 """The engine core's grammars: compiled off the loop, one matcher per constrained sequence.
 
-A sequence's matcher has taken exactly the output tokens the scheduler applied (`advance`),
-so the mask it gives (`mask`) is that of the sequence's next token. The core asks for a
-step's mask only once the step before it is applied (EngineCore.step), which is what keeps
-this true while steps overlap on the device.
+A sequence's matcher has taken exactly the output tokens the core passed to `advance`, so the
+mask `take_mask` gives is that of each row's next token. The core asks for a step's mask
+(`request_mask`) only once the step before it is applied, which keeps this true while steps
+overlap on the device. `StructuredOutputs` fills the mask when it is taken, on the caller's
+thread; engine/structured/process.py runs one in a child process, so that the fill overlaps
+the core's own work (xgrammar holds the GIL while it fills).
 """
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from engine.core.batch import GrammarMask, ScheduledSequence
-from engine.core.request import VOCAB_SIZE, Request, StructuredOutputsParams
+import numpy as np
+
+from engine.core.batch import GrammarMask
+from engine.core.request import VOCAB_SIZE, StructuredOutputsParams
 from engine.structured.grammar import compiler, grammar_of
 
 log = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, by spec; a few MB at most
+MASK_WORDS = -(-VOCAB_SIZE // 32)  # int32 words of a bitmask row
+ALL_ALLOWED = -1  # an int32 word with every bit set
 # below this many rows one thread fills the mask: a thread pool's hand-off costs more than
 # the ~10 us a row takes
 BATCH_FILL_ROWS = 32
-# a JSON state can take ~100 us to fill; the core's loop is one thread, the others are idle
-FILL_THREADS = max(1, min(16, len(os.sched_getaffinity(0)) - 1))
 
 
 class StructuredOutputs:
-    def __init__(self) -> None:
+    def __init__(self, max_rows: int, bitmask: np.ndarray | None = None,
+                 fill_threads: int = 1) -> None:
+        """`max_rows`: the most constrained rows a step samples; `bitmask`: int32
+        [max_rows, MASK_WORDS] to fill masks into (default: a fresh array); `fill_threads`:
+        xgrammar's threads for a mask of BATCH_FILL_ROWS rows or more."""
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()  # spec key -> compile
         self._compiling: dict[str, Future] = {}  # seq id -> its grammar's compile
-        self._matchers: dict[str, list] = {}  # seq id -> [GrammarMatcher, tokens accepted]
-        self._batch = None  # xgrammar's BatchGrammarMatcher, on the first mask
+        self._matchers: dict[str, object] = {}  # seq id -> xgrammar GrammarMatcher
+        self._completed: set[str] = set()  # matchers complete (or refused) since take_mask
+        self._bitmask = (np.empty((max_rows, MASK_WORDS), np.int32) if bitmask is None
+                         else bitmask)
+        self._rows: list[str] | None = None  # the rows of the mask requested
+        self._fill_threads = fill_threads
+        self._batch = None  # xgrammar's BatchGrammarMatcher, on the first batch fill
         self.num_compiles = 0  # grammars compiled (cache misses)
 
     def submit(self, seq_id: str, spec: StructuredOutputsParams) -> None:
@@ -59,50 +71,67 @@ class StructuredOutputs:
             error = future.exception()
             if error is None:
                 import xgrammar as xgr
-                self._matchers[seq_id] = [xgr.GrammarMatcher(future.result()), 0]
+                self._matchers[seq_id] = xgr.GrammarMatcher(future.result())
             results.append((seq_id, None if error is None else str(error)))
         return results
 
-    def mask(self, sequences: list[ScheduledSequence]) -> GrammarMask:
-        """The bitmask of the step's constrained sampled rows. A row whose sequence has no
-        live matcher (finished or aborted since it was scheduled, its token to be dropped)
-        allows every token."""
-        import xgrammar as xgr
-
-        ids = [s.request_id for s in sequences if s.sample and s.params.structured_outputs]
-        bitmask = xgr.allocate_token_bitmask(len(ids), VOCAB_SIZE)  # all ones
-        live = [(row, self._matchers[i][0]) for row, i in enumerate(ids)
-                if i in self._matchers and not self._matchers[i][0].is_terminated()]
-        if len(live) < BATCH_FILL_ROWS:
-            for row, matcher in live:
-                matcher.fill_next_token_bitmask(bitmask, row)
-        else:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
-            self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask,
-                                                      [row for row, _ in live])
-        return GrammarMask(ids, bitmask.numpy())
-
-    def advance(self, request: Request) -> bool:
-        """Feed the matcher the request's output tokens it has not taken yet. True when the
-        constraint is complete (or, never expected, refused a token): the request ends."""
-        matcher, taken = self._matchers[request.request_id]
-        for token in request.output_token_ids[taken:]:
+    def advance(self, seq_id: str, tokens: list[int]) -> None:
+        """The sequence's matcher takes these new output tokens. A constraint that completes
+        (or, never expected, refuses a token) is reported by the next take_mask."""
+        matcher = self._matchers.get(seq_id)
+        if matcher is None:
+            return
+        for token in tokens:
             if matcher.is_terminated():
                 break
             if not matcher.accept_token(token):
-                log.warning("sequence %s: its grammar refused token %d; ending it",
-                            request.request_id, token)
-                return True
-        self._matchers[request.request_id][1] = request.num_output_tokens
-        return matcher.is_terminated()
+                log.warning("sequence %s: its grammar refused token %d; ending it", seq_id, token)
+                self._completed.add(seq_id)
+                return
+        if matcher.is_terminated():
+            self._completed.add(seq_id)
+
+    def request_mask(self, rows: list[str]) -> None:
+        """Ask for the mask of these rows (sequence ids, in the step's order)."""
+        if len(rows) > len(self._bitmask):
+            raise ValueError(f"{len(rows)} constrained rows; this engine masks at most "
+                             f"{len(self._bitmask)} a step")
+        self._rows = rows
+
+    def take_mask(self) -> tuple[GrammarMask, list[str]]:
+        """The requested mask, and the sequences whose constraint completed since the last
+        take_mask (the core ends them). A row whose sequence has no live matcher (finished or
+        aborted since it was scheduled, its token to be dropped) allows every token. The
+        mask's array is this object's, valid until the next take_mask."""
+        import torch
+
+        rows, self._rows = self._rows or [], None
+        bitmask = self._bitmask[:len(rows)]
+        tensor = torch.from_numpy(bitmask)  # xgrammar fills torch tensors; this shares memory
+        live = []
+        for row, seq_id in enumerate(rows):
+            matcher = self._matchers.get(seq_id)
+            if matcher is None or matcher.is_terminated():
+                bitmask[row] = ALL_ALLOWED
+            else:
+                live.append((row, matcher))
+        if self._fill_threads > 1 and len(live) >= BATCH_FILL_ROWS:
+            import xgrammar as xgr
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=self._fill_threads)
+            self._batch.batch_fill_next_token_bitmask([m for _, m in live], tensor,
+                                                      [row for row, _ in live])
+        else:
+            for row, matcher in live:
+                matcher.fill_next_token_bitmask(tensor, row)
+        completed = sorted(self._completed)
+        self._completed.clear()
+        return GrammarMask(rows, bitmask), completed
 
     def release(self, seq_id: str) -> None:
         self._compiling.pop(seq_id, None)
         self._matchers.pop(seq_id, None)
-
-    def __contains__(self, seq_id: str) -> bool:
-        return seq_id in self._matchers
+        self._completed.discard(seq_id)
 
 
 def _compile(spec: StructuredOutputsParams):

@@ -11,6 +11,8 @@ import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.core.batch import GrammarMask, ScheduledSequence
+from engine.structured.manager import StructuredOutputs
+from engine.structured.process import GrammarProcess
 from engine.worker.sampler import apply_grammar_mask
 
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
@@ -27,15 +29,24 @@ def make_llm(checkpoint, **overrides):
 
 
 ENGINES = {"async": dict(async_scheduling=True), "sync": dict(async_scheduling=False),
+           # the grammars in their child process, as CUDA engines have them
+           "process": dict(async_scheduling=True),
            # CUDA graphs, the Triton kernels and the masked draw on the device
            "cuda": dict(device="cuda", dtype="float16", attention_backend="auto")}
 
 
 @pytest.fixture(scope="module", params=[
-    "async", "sync", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    "async", "sync", "process", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs CUDA")])])
 def llm(request, tiny_checkpoint):
-    return make_llm(tiny_checkpoint, **ENGINES[request.param])
+    llm = make_llm(tiny_checkpoint, **ENGINES[request.param])
+    if request.param == "process":
+        core = llm.engine.core
+        core.grammars = GrammarProcess(core.config.scheduler.max_num_seqs)
+        yield llm
+        core.grammars.close()
+    else:
+        yield llm
 
 
 def generate(llm, spec, temperature, seed=None, prompts=PROMPTS, **kw):
@@ -128,14 +139,18 @@ def test_a_spec_that_cannot_compile_is_refused_before_the_engine(llm):
         StructuredOutputsParams(regex="a", choice=["b"])
 
 
-def test_equal_specs_share_one_compile(llm):
-    grammars = llm.engine.core.grammars
+def test_equal_specs_share_one_compile():
+    grammars = StructuredOutputs(max_rows=3)
     schema = dict(SCHEMA, title="shared")
-    before = grammars.num_compiles
-    generate(llm, StructuredOutputsParams(json=schema), 0.0, prompts=["a", "b"])
-    generate(llm, StructuredOutputsParams(json=json.dumps(schema, sort_keys=True)), 0.0,
-             prompts=["c"])
-    assert grammars.num_compiles == before + 1
+    for seq_id, spec in [("a", StructuredOutputsParams(json=schema)),
+                         ("b", StructuredOutputsParams(json=schema)),
+                         ("c", StructuredOutputsParams(json=json.dumps(schema, sort_keys=True)))]:
+        grammars.submit(seq_id, spec)
+    ready = []
+    while len(ready) < 3:
+        ready += grammars.take_compiled(timeout=1.0)
+    assert sorted(ready) == [("a", None), ("b", None), ("c", None)]
+    assert grammars.num_compiles == 1
 
 
 def test_the_sampler_masks_exactly_the_disallowed_tokens():
