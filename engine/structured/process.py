@@ -2,14 +2,15 @@
 the step before it, hands its outputs over and schedules the next one. xgrammar holds the
 GIL while it fills, so a thread could not overlap that work; a process can.
 
-    core                                        child (`python -m engine.structured.process`)
+    core                                        child (`main`, in a fresh interpreter)
     submit / advance / release   ── message ─▶  the same calls on its StructuredOutputs
     request_mask(rows)           ── message ─▶  take_mask() fills the shared bitmask rows
     ... schedule the next step ...
     take_mask()                  ◀── reply ───  the sequences completed since the last one
 
-Requests and replies go through one socket in order; the bitmask through an anonymous shared
-memory file (memfd), page-locked for the GPU when `pin`. The child ends when its socket
+Requests and replies go through one socket in order (advances and releases wait for the next
+request, to travel with it in one message); the bitmask through an anonymous shared memory
+file (memfd), page-locked for the GPU when `pin`. The child ends when its socket
 closes: when the core closes it, or when the core's process dies.
 """
 from __future__ import annotations
@@ -44,16 +45,19 @@ class GrammarProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
         self._child = subprocess.Popen(
-            [sys.executable, "-m", "engine.structured.process", str(theirs.fileno()),
-             str(memory_fd), str(max_rows), str(fill_threads)],
+            [sys.executable, "-c", "import sys; from engine.structured.process import main; "
+             "main(sys.argv[1:])", str(theirs.fileno()), str(memory_fd), str(max_rows),
+             str(fill_threads)],
             pass_fds=(theirs.fileno(), memory_fd), env=env)
         theirs.close()
+        self.pid = self._child.pid
         self._memory = mmap.mmap(memory_fd, size)
         os.close(memory_fd)
         self._bitmask = np.ndarray((max_rows, MASK_WORDS), np.int32, self._memory)
         self._pinned = pin and _pin(self._bitmask)
         self._conn = Connection(ours.detach())
         self._replies: dict[str, object] = {}  # replies read while waiting for another
+        self._queued: list[tuple] = []  # messages without a reply, sent with the next one
         self._rows: list[str] | None = None
 
     def submit(self, seq_id: str, spec: StructuredOutputsParams) -> None:
@@ -64,7 +68,7 @@ class GrammarProcess:
         return self._reply("take_compiled")
 
     def advance(self, seq_id: str, tokens: list[int]) -> None:
-        self._send(("advance", seq_id, tokens))
+        self._queued.append(("advance", seq_id, tokens))
 
     def request_mask(self, rows: list[str]) -> None:
         if len(rows) > len(self._bitmask):
@@ -79,7 +83,7 @@ class GrammarProcess:
         return GrammarMask(rows, self._bitmask[:len(rows)]), completed
 
     def release(self, seq_id: str) -> None:
-        self._send(("release", seq_id))
+        self._queued.append(("release", seq_id))
 
     def close(self) -> None:
         """Stop the child (it exits when its socket closes); the mask's memory goes with this
@@ -94,8 +98,10 @@ class GrammarProcess:
             self._pinned = False
 
     def _send(self, message: tuple) -> None:
+        """Send the queued messages and this one, in order, as one."""
+        batch, self._queued = [*self._queued, message], []
         try:
-            self._conn.send(message)
+            self._conn.send(batch)
         except OSError as err:
             raise RuntimeError(f"the grammar process is gone ({err})") from err
 
@@ -131,27 +137,33 @@ def serve(conn: Connection, bitmask: np.ndarray, fill_threads: int) -> None:
     grammars = StructuredOutputs(len(bitmask), bitmask, fill_threads)
     while True:
         try:
-            message = conn.recv()
+            batch = conn.recv()
         except (EOFError, OSError):
             return
-        kind, *args = message
-        try:
-            if kind == "submit":
-                grammars.submit(*args)
-            elif kind == "advance":
-                grammars.advance(*args)
-            elif kind == "release":
-                grammars.release(*args)
-            elif kind == "take_compiled":
-                conn.send((kind, grammars.take_compiled(*args)))
-            elif kind == "mask":
-                grammars.request_mask(*args)
-                conn.send((kind, grammars.take_mask()[1]))
-            else:
-                raise ValueError(f"unknown message {kind!r}")
-        except Exception as exc:  # the core fails its loop on this reply
-            log.exception("grammar process: %s failed", kind)
-            conn.send(("error", f"{kind}: {type(exc).__name__}: {exc}"))
+        for message in batch:
+            _handle(conn, grammars, message)
+
+
+def _handle(conn: Connection, grammars: StructuredOutputs, message: tuple) -> None:
+    """One message; an exception is the reply to the next request (the core fails on it)."""
+    kind, *args = message
+    try:
+        if kind == "submit":
+            grammars.submit(*args)
+        elif kind == "advance":
+            grammars.advance(*args)
+        elif kind == "release":
+            grammars.release(*args)
+        elif kind == "take_compiled":
+            conn.send((kind, grammars.take_compiled(*args)))
+        elif kind == "mask":
+            grammars.request_mask(*args)
+            conn.send((kind, grammars.take_mask()[1]))
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+    except Exception as exc:
+        log.exception("grammar process: %s failed", kind)
+        conn.send(("error", f"{kind}: {type(exc).__name__}: {exc}"))
 
 
 def main(argv: list[str]) -> None:
@@ -161,6 +173,3 @@ def main(argv: list[str]) -> None:
     serve(Connection(conn_fd), np.ndarray((max_rows, MASK_WORDS), np.int32, memory),
           fill_threads)
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

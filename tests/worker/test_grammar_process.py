@@ -1,0 +1,85 @@
+"""GrammarProcess serves exactly what StructuredOutputs serves in-process: the same compiles,
+masks and completed constraints for the same calls, and a clear error when its child dies."""
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from engine.core.request import StructuredOutputsParams
+from engine.structured.manager import ALL_ALLOWED, StructuredOutputs
+from engine.structured.process import GrammarProcess
+
+SPECS = {"choice": StructuredOutputsParams(choice=["yes", "no"]),
+         "regex": StructuredOutputsParams(regex="[0-9]{3}"),
+         "broken": StructuredOutputsParams(regex="(ab")}
+
+
+@pytest.fixture(scope="module")
+def process():
+    grammars = GrammarProcess(max_rows=4)
+    yield grammars
+    grammars.close()
+
+
+def compiled(grammars, count):
+    results = []
+    while len(results) < count:
+        results += grammars.take_compiled(timeout=1.0)
+    return sorted(results)
+
+
+def allowed(mask_row: np.ndarray) -> np.ndarray:
+    bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits)
+
+
+def walk(grammars, tag: str):
+    """Compile three specs, mask and advance two sequences to completion; everything seen."""
+    ids = {name: f"{tag}-{name}" for name in SPECS}
+    for name, spec in SPECS.items():
+        grammars.submit(ids[name], spec)
+    seen = [[(seq_id.split("-")[1], error is None) for seq_id, error in compiled(grammars, 3)]]
+    rng = np.random.default_rng(0)
+    live = [ids["choice"], ids["regex"]]
+    for _ in range(6):
+        grammars.request_mask([*live, "unknown"])
+        mask, completed = grammars.take_mask()
+        seen.append(([r.split("-")[-1] for r in mask.request_ids], mask.bitmask.copy(),
+                     [c.split("-")[-1] for c in completed]))
+        for seq_id in completed:
+            grammars.release(seq_id)
+            live.remove(seq_id)
+        for row, seq_id in enumerate(live):
+            grammars.advance(seq_id, [int(rng.choice(allowed(mask.bitmask[row])))])
+    return seen
+
+
+def test_the_process_gives_what_the_in_process_grammars_give(process):
+    here, there = walk(StructuredOutputs(max_rows=4), "a"), walk(process, "b")
+    assert here[0] == there[0] == [("broken", False), ("choice", True), ("regex", True)]
+    for (rows_a, mask_a, done_a), (rows_b, mask_b, done_b) in zip(here[1:], there[1:]):
+        assert rows_a == rows_b and done_a == done_b
+        assert np.array_equal(mask_a, mask_b)
+        assert (mask_a[-1] == ALL_ALLOWED).all()  # no matcher: every token
+    assert sorted(sum((done for _, _, done in here[1:]), [])) == ["choice", "regex"]
+
+
+def test_a_step_with_more_rows_than_the_mask_holds_is_refused(process):
+    with pytest.raises(ValueError, match="at most 4"):
+        process.request_mask(["a", "b", "c", "d", "e"])
+
+
+def test_a_dead_child_is_a_clear_error():
+    grammars = GrammarProcess(max_rows=1)
+    os.kill(grammars.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="grammar process"):
+        grammars.request_mask(["a"])
+        grammars.take_mask()
+
+
+def test_the_child_exits_when_closed():
+    grammars = GrammarProcess(max_rows=1)
+    grammars.close()  # waits for the child
+    with pytest.raises(ProcessLookupError):
+        os.kill(grammars.pid, 0)
