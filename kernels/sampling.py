@@ -14,6 +14,13 @@ logits. Here each row is cut into CHUNK-wide pieces:
 As torch.argmax: the first index of the maximum, NaN counts as the largest value (a row
 holding both NaN and +inf may give the first of either). Reference: `engine.worker.layers.sample`,
 whose hash this kernel computes bit for bit.
+
+`masked_row_sample` is the same race over a grammar bitmask (structured outputs), for a subset
+of the rows, in place: program (r, chunk) reads that chunk of logits row rows[r] and the
+CHUNK / 32 words of bitmask row r that cover it; banned tokens and NaN rank last (-inf), only
+allowed tokens compete for the index, and the last to arrive writes out[rows[r]], so the
+step's other rows keep their draw. One launch where torch takes a dozen (gather, widen,
+unpack the bits, fill, draw, scatter). Reference: `engine.worker.layers.masked_sample`.
 """
 from __future__ import annotations
 
@@ -103,3 +110,70 @@ def row_sample(logits: torch.Tensor, temperature: torch.Tensor,
                                    CHUNK=CHUNK, CHUNKS_POW2=triton.next_power_of_2(chunks),
                                    num_warps=8, **pdl_options(logits.device))
     return out
+
+
+@triton.jit
+def _masked_sample_kernel(x_ptr, rows_ptr, mask_ptr, temperature_ptr, seed_ptr, best_ptr,
+                          index_ptr, out_ptr, counter_ptr, V, stride_row, stride_mask,
+                          CHUNK: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
+    r = tl.program_id(0)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    row = tl.load(rows_ptr + r)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    words = tl.load(mask_ptr + r.to(tl.int64) * stride_mask + offs // 32, mask=offs < V,
+                    other=0)
+    allowed = ((words >> (offs % 32)) & 1) != 0  # False past the vocabulary
+    x = tl.load(x_ptr + row * stride_row + offs, mask=offs < V,
+                other=-float("inf")).to(tl.float32)
+    temperature = tl.load(temperature_ptr + r).to(tl.float32)
+    if temperature > 0:
+        x = tl.div_rn(x, temperature) + _gumbel_noise(tl.load(seed_ptr + r), offs)
+    x = tl.where(allowed & (x == x), x, -float("inf"))  # banned tokens and NaN rank last
+    best = tl.max(x, axis=0)
+    # only allowed tokens compete for the index: where all are -inf, the first of them wins
+    index = tl.min(tl.where(allowed & (x == best), offs, NO_INDEX), axis=0)
+    tl.store(best_ptr + r * num_chunks + chunk, best)
+    tl.store(index_ptr + r * num_chunks + chunk, index)
+    if arrive_last(counter_ptr + r, num_chunks):
+        chunks = tl.arange(0, CHUNKS_POW2)
+        ok = chunks < num_chunks
+        bests = tl.load(best_ptr + r * num_chunks + chunks, mask=ok, other=-float("inf"),
+                        cache_modifier=".cg")
+        indices = tl.load(index_ptr + r * num_chunks + chunks, mask=ok, other=NO_INDEX,
+                          cache_modifier=".cg")
+        top = tl.max(bests, axis=0)
+        index = tl.min(tl.where(bests == top, indices, NO_INDEX), axis=0)
+        reset_counter(counter_ptr + r)
+        tl.store(out_ptr + row, tl.where(index == NO_INDEX, 0, index))  # nothing allowed: 0
+
+
+def masked_row_sample(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
+                      temperature: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor) -> None:
+    """For each r: out[rows[r]] = the draw of row rows[r] of `logits` [N, V] over the tokens
+    that row r of `bitmask` allows (int32 [R, >= ceil(V / 32)], bit t % 32 of word t // 32),
+    at temperature[r] (float, 0: greedy) and seeds[r] (int64). rows: distinct int64 [R];
+    rows, seeds and out (int64 [N]) contiguous. The other entries of `out` are left as they
+    are. NaN counts as -inf; ties and a row whose allowed tokens are all -inf give the lowest
+    allowed index, a row that allows nothing 0. With finite logits, the token `row_sample`
+    draws from the row with its banned tokens set to -inf."""
+    assert logits.dim() == 2 and logits.stride(1) == 1 and bitmask.stride(1) == 1
+    assert bitmask.dtype == torch.int32 and temperature.is_floating_point()
+    assert rows.dtype == seeds.dtype == out.dtype == torch.int64 and out.stride(0) == 1
+    num_rows, vocab = rows.shape[0], logits.shape[1]
+    if num_rows == 0:
+        return
+    if vocab == 0:
+        out[rows] = 0
+        return
+    assert bitmask.shape[0] == num_rows and bitmask.shape[1] * 32 >= vocab
+    chunks = triton.cdiv(vocab, CHUNK)
+    best = torch.empty((num_rows, chunks), dtype=torch.float32, device=logits.device)
+    index = torch.empty((num_rows, chunks), dtype=torch.int32, device=logits.device)
+    _masked_sample_kernel[(num_rows, chunks)](
+        logits, rows, bitmask, temperature, seeds, best, index, out,
+        counters_for(logits.device, num_rows), vocab, logits.stride(0), bitmask.stride(0),
+        CHUNK=CHUNK, CHUNKS_POW2=triton.next_power_of_2(chunks), num_warps=8,
+        **pdl_options(logits.device))

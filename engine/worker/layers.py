@@ -95,6 +95,30 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor,
     return torch.where(temperature > 0, noisy, logits).argmax(dim=-1)
 
 
+def masked_sample(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
+                  temperature: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor) -> None:
+    """`sample` for rows `rows` (distinct int64 [R]) of `logits` [N, V] over the tokens each
+    one's grammar allows (bitmask int32 [R, >= ceil(V / 32)]: bit t % 32 of word t // 32 of
+    row r allows token t for rows[r]), at temperature[r] and seeds[r]; writes out[rows[r]]
+    (int64 [N]) and leaves the other entries. NaN counts as -inf; a row whose allowed tokens
+    are all -inf takes the lowest allowed one, a row that allows nothing token 0."""
+    if rows.numel() == 0:
+        return
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1 == 1).flatten(1)[:, :vocab]
+    scores = logits[rows].float()
+    temperature = temperature.float()[:, None]
+    if logits.is_cuda or (temperature > 0).any():  # the CPU skips the noise of greedy rows
+        noisy = scores / temperature.clamp(min=1e-30) + gumbel_noise(seeds, vocab)
+        scores = torch.where(temperature > 0, noisy, scores)
+    scores = scores.masked_fill(scores.isnan() | ~allowed, float("-inf"))
+    best = scores.argmax(dim=-1)
+    dead = scores.gather(1, best[:, None]).squeeze(1) == float("-inf")
+    first_allowed = allowed.to(torch.uint8).argmax(dim=-1)  # 0 where nothing is allowed
+    out[rows] = torch.where(dead, first_allowed, best)
+
+
 class LinearShape(NamedTuple):
     """A linear layer as `Ops` serves it: weight [n, k]; `norm`: called through
     add_norm_linear (the residual add and LayerNorm fused before it); `gelu`: GELU after."""
@@ -111,7 +135,9 @@ class Ops:
     linear: Callable[..., torch.Tensor]  # linear(x, weight, bias, gelu=False)
     add_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     sample: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    # masked_sample(logits, rows, bitmask, temperature, seeds, out): draws into out in place
+    masked_sample: Callable[..., None]
 
 
 TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
-                add_norm_linear=add_norm_linear, sample=sample)
+                add_norm_linear=add_norm_linear, sample=sample, masked_sample=masked_sample)

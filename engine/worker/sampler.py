@@ -1,6 +1,7 @@
 """Batched sampling on the logits' device. One row of logits per sequence with sample=True.
 
     plain rows (temperature only):  draw(logits, T, seed)                one launch on CUDA
+      and some with a grammar mask:  then masked_draw(their rows, bitmask) in place: one more
     other batches:  sanitise (NaN, inf) ─▶ raw logprobs (requests asking for them)
       ─▶ grammar mask (structured outputs) ─▶ allowed_token_ids ─▶ bad words ─▶ logit_bias ─▶ min_tokens (mask stop tokens)
       ─▶ penalties
@@ -106,12 +107,14 @@ DrawInputs = tuple[np.ndarray, np.ndarray]
 
 class Sampler:
     """Turns a step's logits into next tokens. `draw` is the device's Gumbel-max op
-    (`Ops.sample`); the only state is the generator that seeds unseeded rows (seeded once, so
-    a whole engine run is reproducible)."""
+    (`Ops.sample`), `masked_draw` the same over grammar bitmasks, in place
+    (`Ops.masked_sample`); the only state is the generator that seeds unseeded rows (seeded
+    once, so a whole engine run is reproducible)."""
 
-    def __init__(self, seed: int = 0, draw=layers.sample):
+    def __init__(self, seed: int = 0, draw=layers.sample, masked_draw=layers.masked_sample):
         self.rng = np.random.default_rng(seed)
         self.draw = draw
+        self.masked_draw = masked_draw
 
     def draw_inputs(self, seqs: list[ScheduledSequence]) -> DrawInputs:
         """Host arrays for this step's draw; every step takes fresh seeds for its rows."""
@@ -164,19 +167,20 @@ class Sampler:
     def _masked_draw(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
                      temperature: np.ndarray, seeds: np.ndarray, drawn: torch.Tensor | None,
                      mask: GrammarMask | None) -> torch.Tensor:
-        """Plain draws for every row (the graph's, if it made them), then the constrained
-        rows drawn again from their masked logits: the step's other rows cost nothing more."""
+        """Plain draws for every row (the graph's, if it made them; none when every row is
+        constrained), then one masked draw of the constrained rows over their bitmask, in
+        place: for it, three uploads (rows and seeds, temperatures, the bitmask), one launch."""
         device = logits.device
+        rows = np.array([i for i, s in enumerate(seqs) if s.params.structured_outputs is not None],
+                        dtype=np.int64)
+        words = grammar_words(seqs, rows.tolist(), mask, device)
         if drawn is None:
-            drawn = self.draw(logits, upload(temperature, torch.float32, device),
-                              upload(seeds, torch.int64, device))
-        rows = np.array([i for i, s in enumerate(seqs) if s.params.structured_outputs])
-        on_device = upload(rows, torch.long, device)
-        masked = apply_grammar_mask(sanitize(logits[on_device].float()),
-                                    [seqs[i] for i in rows], mask)
-        drawn[on_device] = self.draw(
-            masked, upload(temperature[rows], torch.float32, device),
-            upload(seeds[rows], torch.int64, device))
+            drawn = (self.draw(logits, upload(temperature, torch.float32, device),
+                               upload(seeds, torch.int64, device)) if len(rows) < len(seqs)
+                     else torch.empty(len(seqs), dtype=torch.int64, device=device))
+        rows_seeds = upload(np.stack([rows, seeds[rows]]), torch.int64, device)
+        self.masked_draw(logits, rows_seeds[0], words,
+                         upload(temperature[rows], torch.float32, device), rows_seeds[1], drawn)
         return drawn
 
 
@@ -194,6 +198,17 @@ def _rows_tokens(pairs: list[tuple[int, int]], device: torch.device) -> tuple[to
     return upload(rows, torch.long, device), upload(tokens, torch.long, device)
 
 
+def grammar_words(seqs: list[ScheduledSequence], rows: list[int], mask: GrammarMask | None,
+                  device: torch.device) -> torch.Tensor:
+    """`mask`'s bitmask on `device`, once it is checked to hold the constrained `rows` of
+    `seqs`, in order. Copied straight from its array, which may be page-locked and stays
+    valid until the step's tokens are waited for (so no pinned staging copy); on the CPU, the
+    array itself."""
+    if mask is None or mask.request_ids != [seqs[i].request_id for i in rows]:
+        raise ValueError("the grammar mask does not match the step's constrained rows")
+    return torch.from_numpy(mask.bitmask).to(device, non_blocking=True)
+
+
 def apply_grammar_mask(logits: torch.Tensor, seqs: list[ScheduledSequence],
                        mask: GrammarMask | None) -> torch.Tensor:
     """Rows with structured outputs keep only the tokens their grammar allows (`mask`'s rows
@@ -201,9 +216,7 @@ def apply_grammar_mask(logits: torch.Tensor, seqs: list[ScheduledSequence],
     rows = [i for i, s in enumerate(seqs) if s.params.structured_outputs is not None]
     if not rows:
         return logits
-    if mask is None or mask.request_ids != [seqs[i].request_id for i in rows]:
-        raise ValueError("the grammar mask does not match the step's constrained rows")
-    words = upload(mask.bitmask, torch.int32, logits.device)
+    words = grammar_words(seqs, rows, mask, logits.device)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     banned = ((words[:, :, None] >> bits) & 1 == 0).flatten(1)[:, :logits.shape[-1]]
     if len(rows) == len(seqs):  # the masked draw's case: every row is constrained

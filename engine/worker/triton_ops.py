@@ -12,7 +12,7 @@ from engine.worker.startup import StartupCache, device_key, source_hash
 from kernels.layernorm import add_layer_norm, layer_norm
 from kernels.linear import LinearDispatch, SkinnyWins, measure_skinny_wins
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
-from kernels.sampling import row_sample
+from kernels.sampling import masked_row_sample, row_sample
 from kernels.skinny_gemm import TILE_CANDIDATES, TileConfig
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,8 @@ def triton_ops(skinny_wins: SkinnyWins | None = None) -> Ops:
     in the tile config that won (none: cuBLAS for every linear)."""
     linear = LinearDispatch(skinny_wins)
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
-               add_norm_linear=linear.add_norm_linear, sample=row_sample)
+               add_norm_linear=linear.add_norm_linear, sample=row_sample,
+               masked_sample=masked_row_sample)
 
 
 def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from engine.core.batch import ScheduledSequence
-from engine.core.request import EOS_TOKEN_ID, SamplingParams
+from engine.core.batch import GrammarMask, ScheduledSequence
+from engine.core.request import EOS_TOKEN_ID, SamplingParams, StructuredOutputsParams
+from engine.worker import layers
 from engine.worker.sampler import Sampler, apply_penalties
 
 VOCAB = 1000
@@ -213,3 +215,53 @@ def test_model_dtype_logits_sample_as_their_float32_widening(params):
     logits = padded[:, :VOCAB]
     seqs = [seq(params)] * 4
     assert run(logits, seqs) == run(logits.float().contiguous(), seqs)
+
+
+def pack_bitmask(allowed: np.ndarray) -> np.ndarray:
+    """bool [R, V] -> a GrammarMask's int32 words, with a spare word: masks may be wider."""
+    words = np.zeros((len(allowed), -(-allowed.shape[1] // 32) + 1), np.int64)
+    for row, col in zip(*np.nonzero(allowed)):
+        words[row, col // 32] |= 1 << (col % 32)
+    return words.astype(np.uint32).view(np.int32)
+
+
+@pytest.mark.parametrize("graph_drew", [False, True], ids=["eager", "graph-drawn"])
+@pytest.mark.parametrize("constrained", [(0, 2, 3), (0, 1, 2, 3, 4)], ids=["some", "all"])
+def test_the_masked_draw_takes_only_allowed_tokens(graph_drew, constrained):
+    """Plain rows beside structured-output ones: one masked draw of the constrained rows gives
+    each the token its logits draw with the banned tokens at -inf (never a banned one), and
+    the other rows keep their plain draw (the graph's, when it made one)."""
+    rng = np.random.default_rng(1)
+    allowed = rng.random((len(constrained), VOCAB)) < 0.05
+    allowed[0] = False
+    allowed[0, 123] = True
+    spec = StructuredOutputsParams(regex="a")
+    seqs = [ScheduledSequence(f"r{i}", [0], 0, [0], True, SamplingParams(
+        temperature=t, structured_outputs=spec if i in constrained else None))
+        for i, t in enumerate([0.0, 1.0, 0.7, 1.0, 0.0])]
+    mask = GrammarMask([f"r{i}" for i in constrained], pack_bitmask(allowed))
+    logits = random_logits(len(seqs))
+    calls = []
+
+    def masked_draw(*args):
+        calls.append(args[1].tolist())
+        layers.masked_sample(*args)
+
+    sampler = Sampler(3, masked_draw=masked_draw)
+    draw_inputs = sampler.draw_inputs(seqs)
+    temperature, seeds = (torch.from_numpy(a) for a in draw_inputs)
+    drawn = torch.tensor([7, 8, 9, 10, 11]) if graph_drew else None
+    plain = drawn.clone() if graph_drew else layers.sample(logits, temperature, seeds)
+    tokens = sampler(logits, seqs, draw_inputs, drawn, mask).token_ids
+    rows = list(constrained)
+    allowed_t = torch.from_numpy(allowed)
+    expected = plain.clone()
+    expected[rows] = layers.sample(logits[rows].masked_fill(~allowed_t, float("-inf")),
+                                   temperature[rows], seeds[rows])
+    assert tokens.tolist() == expected.tolist()
+    assert allowed_t[torch.arange(len(rows)), tokens[rows]].all()
+    assert tokens[0] == 123
+    assert calls == [rows]
+    for wrong in (None, GrammarMask(mask.request_ids[::-1], mask.bitmask)):
+        with pytest.raises(ValueError, match="does not match"):
+            sampler(logits, seqs, draw_inputs, drawn, wrong)
