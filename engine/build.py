@@ -55,14 +55,17 @@ def build_runner(config: EngineConfig):
 
 def build_engine_core(config: EngineConfig, runner=None,
                       step_times: StepTimes | None = None) -> EngineCore:
-    """The core over `runner` (default: build_runner; tests pass fakes). The speculation
-    switch-off decides from `step_times`, measured on a built runner's CUDA device (CPU
-    times say nothing of a GPU's); without them every step speculates."""
+    """The core over `runner` (default: build_runner; tests pass fakes, whose grammars stay
+    in-process). The speculation switch-off decides from `step_times`, measured on a built
+    runner's CUDA device (CPU times say nothing of a GPU's); without them every step
+    speculates."""
+    device = None
     if runner is None:
         runner = build_runner(config)
         step_times = measured_step_times(config, runner)
+        device = runner.device
     return EngineCore(config, runner, build_speculator(config, step_times),
-                      build_grammars(config, getattr(runner, "device", None)))
+                      build_grammars(config, device))
 
 
 def build_grammars(config: EngineConfig, device) -> StructuredOutputs | GrammarProcess:

@@ -60,4 +60,4 @@ def replay_eagerly(graphs) -> None:
             continue
         graphs.graphs[size] = _EagerReplay(partial(_refresh_outputs, graphs, size))
         if graphs.follower is not None:
-            graphs.follow_graphs[size] = _EagerReplay(partial(graphs._follow, size))
+            graphs.follow_graphs[size] = _EagerReplay(partial(graphs.follow, size))

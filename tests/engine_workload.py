@@ -26,7 +26,7 @@ def run_random_workload(engine: LLMEngine, rng: random.Random, output_kind: str 
             on_add(f"r{step}#0", expected[f"r{step}"][0])
             engine.add_request(f"r{step}", prompt, params)
         if engine.has_unfinished_requests() and rng.random() < 0.05:
-            rid = rng.choice(sorted(engine.processor._groups))
+            rid = rng.choice(sorted(set(expected) - aborted - set(finals)))  # the live ones
             engine.abort(rid)
             aborted.add(rid)
         for out in engine.step():

@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import weakref
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -54,8 +55,11 @@ class GrammarProcess:
         self._memory = mmap.mmap(memory_fd, size)
         os.close(memory_fd)
         self._bitmask = np.ndarray((max_rows, MASK_WORDS), np.int32, self._memory)
-        self._pinned = pin and _pin(self._bitmask)
         self._conn = Connection(ours.detach())
+        pinned = pin and _pin(self._bitmask)
+        # on close or collection: a registration outliving its mapping would refuse the next
+        self._close = weakref.finalize(self, _stop, self._conn, self._child, self._memory,
+                                       self._bitmask.ctypes.data if pinned else None)
         self._replies: dict[str, object] = {}  # replies read while waiting for another
         self._queued: list[tuple] = []  # messages without a reply, sent with the next one
         self._rows: list[str] | None = None
@@ -86,16 +90,8 @@ class GrammarProcess:
         self._queued.append(("release", seq_id))
 
     def close(self) -> None:
-        """Stop the child (it exits when its socket closes); the mask's memory goes with this
-        object."""
-        if self._conn.closed:
-            return
-        self._conn.close()
-        self._child.wait(timeout=10)
-        if self._pinned:
-            import torch
-            torch.cuda.cudart().cudaHostUnregister(self._bitmask.ctypes.data)
-            self._pinned = False
+        """Stop the child (it exits when its socket closes) and unpin the mask's memory."""
+        self._close()
 
     def _send(self, message: tuple) -> None:
         """Send the queued messages and this one, in order, as one."""
@@ -119,13 +115,22 @@ class GrammarProcess:
         return self._replies.pop(kind)
 
 
+def _stop(conn: Connection, child: subprocess.Popen, memory: mmap.mmap,
+          pinned_address: int | None) -> None:
+    conn.close()
+    child.wait(timeout=10)
+    if pinned_address is not None:  # `memory` is still mapped: this call holds it
+        import torch
+        torch.cuda.cudart().cudaHostUnregister(pinned_address)
+
+
 def _pin(array: np.ndarray) -> bool:
     """Page-lock the array's memory for CUDA copies; False (copies then stage) if refused."""
     import torch
 
     try:
         code = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0))
-    except (AttributeError, RuntimeError, TypeError) as err:
+    except Exception as err:  # no CUDA, or a torch without the call: the copies stage
         code = err
     if code != 0:
         log.warning("could not page-lock the grammar mask (%s); its copies will stage", code)

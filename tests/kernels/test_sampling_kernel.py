@@ -134,7 +134,7 @@ def test_masked_edge_rows():
     logits = torch.randn(8, vocab, device=DEVICE)
     allowed = torch.zeros(8, vocab, dtype=torch.bool, device=DEVICE)
     allowed[0, [3, 9, CHUNK + 1]] = True  # NaN at 3, banned 50 at 4: 9 or CHUNK + 1
-    logits[0, [3, 4, 9, CHUNK + 1]] = torch.tensor([nan, 50.0, 20.0, 10.0])
+    logits[0, [3, 4, 9, CHUNK + 1]] = torch.tensor([nan, 50.0, 20.0, 10.0], device=DEVICE)
     allowed[1, [CHUNK + 7, 2 * CHUNK + 2]] = True  # all allowed -inf, banned finite
     logits[1, [CHUNK + 7, 2 * CHUNK + 2]] = -inf
     allowed[2, [5, 2 * CHUNK + 4]] = True  # all allowed NaN
@@ -144,14 +144,14 @@ def test_masked_edge_rows():
     logits[3, CHUNK + 2] = inf
     allowed[4, ::2] = True  # a row of NaN but two tokens: the larger allowed one
     logits[4] = nan
-    logits[4, [6, 7, CHUNK + 10]] = torch.tensor([0.0, 5.0, 1.0])
+    logits[4, [6, 7, CHUNK + 10]] = torch.tensor([0.0, 5.0, 1.0], device=DEVICE)
     # row 5 allows nothing
     allowed[6] = True  # the same maximum in three chunks, a larger one banned
     allowed[6, 1] = False
     logits[6, [1, CHUNK + 5, 2 * CHUNK + 3, 2 * CHUNK]] = torch.tensor([200.0, 100.0, 100.0,
-                                                                        100.0])
+                                                                        100.0], device=DEVICE)
     allowed[7, [0, vocab - 1]] = True  # the last token
-    logits[7, [0, vocab - 1]] = torch.tensor([-1.0, 1.0])
+    logits[7, [0, vocab - 1]] = torch.tensor([-1.0, 1.0], device=DEVICE)
     rows = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], device=DEVICE)
     for temperature in (0.0, 1e-3):  # a tiny temperature: the noise cannot reorder these
         temperatures = torch.full((8,), temperature, device=DEVICE)

@@ -204,21 +204,17 @@ def test_the_draft_has_kv_wherever_the_target_has(tiny_checkpoint, monkeypatch, 
     if chain == "graphs":
         monkeypatch.setattr(drafter, "draft_ahead", lambda *args: None)
     catch_ups, fills = [], []
-    find_catch_ups, fill = drafter._catch_ups, drafter.fill
-
-    def recording(seqs):
-        found = find_catch_ups(seqs)
-        catch_ups.extend(c for c in found if c)
-        return found
+    fill = drafter.fill
 
     def counting(seqs, *rest):
         fills.append(seqs)
+        catch_ups.extend(c for c in drafter.catch_ups(seqs) if c)  # what this fill feeds
         drafts, column = fill(seqs, *rest).clone(), len(fills) % (K + 1) - 1
         if chain == "graphs-ahead-rejecting" and column >= 0:
             drafts[:, column] = (drafts[:, column] + 1) % 50257
         return drafts
 
-    drafter._catch_ups, drafter.fill = recording, counting
+    drafter.fill = counting
     sampled = chain == "graphs-ahead-sampled"
     engine.add_request("a", list(range(10)), SamplingParams(
         temperature=1.0 if sampled else 0.0, seed=3, max_tokens=60, ignore_eos=True))

@@ -6,6 +6,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.request import EOS_TOKEN_ID
+from engine.output import processor as output_processor
+from engine.output.detokenize import TextStream
 
 PROMPT_LENGTHS = [1, 5, 17, 64, 150, 300]
 MAX_TOKENS = 12
@@ -169,14 +171,15 @@ def test_failure_in_one_request_ends_it_with_an_error_and_spares_the_others(tiny
                                                                            monkeypatch):
     engine = make_llm(tiny_checkpoint).engine
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    engine.add_request("bad", [1, 2, 3], params)
+
+    class ExplodingStream(TextStream):
+        def add(self, token_id, final):
+            raise RuntimeError("detokenizer exploded")
+
+    with monkeypatch.context() as patch:  # only "bad"'s choice gets the exploding stream
+        patch.setattr(output_processor, "TextStream", ExplodingStream)
+        engine.add_request("bad", [1, 2, 3], params)
     engine.add_request("good", [4, 5, 6], params)
-    bad_stream = engine.processor._groups["bad"].choices[0].stream
-
-    def broken(token_id, final):
-        raise RuntimeError("detokenizer exploded")
-
-    monkeypatch.setattr(bad_stream, "add", broken)
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})

@@ -7,7 +7,7 @@ both). docs/speculative.md section 8 tells the whole story.
     fill()         greedy drafts for a step's sampling sequences, on the device, no host sync
     draft_ahead()  the next step's drafts queued right behind a verification (chain graphs)
 
-Invariant: the draft has KV wherever the target has, bar a `_catch_ups` hole fed before the
+Invariant: the draft has KV wherever the target has, bar a `catch_ups()` hole fed before the
 next drafting. Drafts are the argmax (one-hot q), so `accept_drawn` stays exact.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Drafter:
         where it may use graphs, its chain of up to max_drafts iterations is captured."""
         self.runner = runner
         self.chain = self._capture_chain(max_drafts) if runner.uses_graphs else None
-        # after a step without the follow pass: each request's last draft (_catch_ups)
+        # after a step without the follow pass: each request's last draft (catch_ups)
         self._unfollowed: dict[str, CatchUp] = {}
         self._last_drafts: torch.Tensor | None = None
         # (request id, draft count) of each row that draft_ahead drafted for, in order
@@ -71,7 +71,7 @@ class Drafter:
             self.num_taken_ahead += 1
         else:
             rows, counts = [_chain_row(s) for s in seqs], [s.num_drafts for s in seqs]
-            catch_ups = self._catch_ups(seqs)
+            catch_ups = self.catch_ups(seqs)
             if self.chain is not None:
                 drafts = self.chain.run(rows, counts, catch_ups)
             else:
@@ -98,10 +98,12 @@ class Drafter:
         self._drafted_ahead = [(s.request_id, s.num_drafts) for s in seqs]
         self._unfollowed = {}  # run_ahead caught up every row that accepted all its drafts
 
-    def _catch_ups(self, seqs: list[ScheduledSequence]) -> list[CatchUp | None]:
-        """Per row, the last draft to feed before drafting again, or None. A step without the
-        follow pass leaves no draft KV at a row's last draft; a row that accepted every draft
-        decodes right after it, so that draft is fed first (read from the last fill's)."""
+    def catch_ups(self, seqs: list[ScheduledSequence]) -> list[CatchUp | None]:
+        """Per row of `seqs` (the next fill's), the last draft to feed before drafting again,
+        or None. A step without the follow pass leaves no draft KV at a row's last draft; a
+        row that accepted every draft decodes right after it, so that draft is fed first (read
+        from the last fill's). It changes nothing: fill(seqs) feeds exactly these, unless it
+        takes the drafts made ahead (draft_ahead caught every row up then)."""
         def catch_up(seq: ScheduledSequence) -> CatchUp | None:
             last = self._unfollowed.get(seq.request_id)
             follows_last = (last is not None and last[0] == seq.start_position - 1

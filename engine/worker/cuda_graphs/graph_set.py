@@ -59,8 +59,9 @@ class GraphSet:
         """The model's hidden states of the first `size` token rows."""
         return self.model(*self._inputs(size), self.kv_caches, self.attention_meta(size))
 
-    def _follow(self, size: int) -> None:
-        """The follower's forward over the same rows (what its graph records)."""
+    def follow(self, size: int) -> None:
+        """The follower's forward over the first `size` rows, run eagerly: what its graph of
+        that size records (as `forward` is for the model's graph)."""
         self.follower(*self._inputs(size), self.attention_meta(size))
 
     def _logits_and_draws(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +80,7 @@ class GraphSet:
             self.graphs[size], pool, self.outputs[size] = capture_graph(
                 lambda: self.forward(size), pool)
             if self.follower is not None:
-                self.follow_graphs[size], pool, _ = capture_graph(lambda: self._follow(size),
+                self.follow_graphs[size], pool, _ = capture_graph(lambda: self.follow(size),
                                                                   pool)
         torch.cuda.synchronize()
         return pool
