@@ -73,7 +73,7 @@ def build_grammars(config: EngineConfig, device) -> StructuredOutputs | GrammarP
     mask fill overlaps that thread's work; elsewhere in the core's process (a child takes
     seconds to import xgrammar, and a CPU forward dwarfs a fill)."""
     max_rows = config.scheduler.max_num_seqs
-    if device is not None and device.type == "cuda":
+    if getattr(device, "type", None) == "cuda":
         return GrammarProcess(max_rows, pin=True)
     return StructuredOutputs(max_rows)
 

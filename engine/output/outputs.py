@@ -15,6 +15,20 @@ class Logprob:
     decoded_token: str | None = None
 
 
+_set_logprob, _set_rank, _set_decoded_token = (
+    Logprob.__dict__[name].__set__ for name in ("logprob", "rank", "decoded_token"))
+
+
+def new_logprob(logprob: float, rank: int | None, decoded_token: str | None) -> Logprob:
+    """Logprob(logprob, rank, decoded_token), its slots written directly rather than through
+    the frozen __init__'s object.__setattr__ per field: prompt logprobs build thousands."""
+    made = Logprob.__new__(Logprob)
+    _set_logprob(made, logprob)
+    _set_rank(made, rank)
+    _set_decoded_token(made, decoded_token)
+    return made
+
+
 # vLLM's prompt logprobs: None for prompt token 0 (nothing precedes it), then per prompt
 # token a map holding that token's Logprob and those of the top-k tokens at its position
 PromptLogprobsList = list[dict[int, Logprob] | None]

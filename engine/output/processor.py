@@ -16,8 +16,8 @@ from engine.core.batch import PromptLogprobs
 from engine.core.messages import CoreRequest, SequenceOutput, StepOutput
 from engine.core.request import RequestStatus, SamplingParams
 from engine.output.detokenize import TextStream
-from engine.output.outputs import (CompletionOutput, Logprob, PromptLogprobsList,
-                                   RequestMetrics, RequestOutput)
+from engine.output.outputs import (CompletionOutput, PromptLogprobsList, RequestMetrics,
+                                   RequestOutput, new_logprob)
 from engine.output.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -82,17 +82,23 @@ class _PromptLogprobs:
 
     def add(self, chunk: PromptLogprobs) -> None:
         """Each token's own Logprob, then the top-k's (which replace it when it is among
-        them, as vLLM builds the map)."""
-        decode = self.tokenizer.decode
-        for i, logprob in enumerate(chunk.token_logprobs):
-            index = chunk.first_index + i
-            token = self.prompt_token_ids[index]
-            entry = {token: Logprob(logprob, chunk.ranks[i], decode([token]))}
-            for rank, (top, top_logprob) in enumerate(
-                    zip(chunk.top_token_ids[i], chunk.top_logprobs[i]), start=1):
-                entry[top] = Logprob(top_logprob, rank, decode([top]))
-            self.entries[index] = entry
-        self.num_missing -= len(chunk.token_logprobs)
+        them, as vLLM builds the map: the token's key stays first)."""
+        text = self.tokenizer.token_string_table  # decode([t]) by token id
+        first, count = chunk.first_index, len(chunk.token_logprobs)
+        tokens = self.prompt_token_ids[first:first + count]
+        if first < 1 or len(tokens) != count:
+            raise IndexError(f"prompt logprobs for positions {first}..{first + count - 1} of "
+                             f"a {len(self.prompt_token_ids)}-token prompt")
+        entries = [
+            {token: None if token in top_ids else new_logprob(logprob, rank, text[token])}
+            for token, logprob, rank, top_ids in zip(tokens, chunk.token_logprobs, chunk.ranks,
+                                                     chunk.top_token_ids)]
+        for entry, top_ids, top_logprobs in zip(entries, chunk.top_token_ids,
+                                                chunk.top_logprobs):
+            for rank, (top, top_logprob) in enumerate(zip(top_ids, top_logprobs), start=1):
+                entry[top] = new_logprob(top_logprob, rank, text[top])
+        self.entries[first:first + count] = entries
+        self.num_missing -= count
 
     def complete(self) -> PromptLogprobsList | None:
         return self.entries if self.num_missing == 0 else None

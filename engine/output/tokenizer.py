@@ -62,6 +62,15 @@ def _token_pieces() -> tuple[list[bytes], list[str | None]]:
     return token_bytes, [_whole_text(b) for b in token_bytes]
 
 
+@lru_cache(maxsize=1)
+def _token_strings() -> list[str]:
+    """Every token decoded alone, as decode([t]) gives it (partial UTF-8 characters become
+    U+FFFD): what a per-position report (prompt logprobs, top-k alternatives) shows."""
+    token_bytes, texts = _token_pieces()
+    return [data.decode("utf-8", errors="replace") if text is None else text
+            for data, text in zip(token_bytes, texts)]
+
+
 def _whole_text(data: bytes) -> str | None:
     try:
         return data.decode("utf-8")
@@ -75,12 +84,16 @@ class Tokenizer:
     def __init__(self) -> None:
         self.encoding = gpt2_encoding()
         self.token_bytes_table, self.token_text_table = _token_pieces()
+        self.token_string_table = _token_strings()  # decode([t]) of every token id t
 
     def encode(self, text: str) -> list[int]:
         """Plain text; "<|endoftext|>" in user text is encoded as text, not as the special."""
         return self.encoding.encode(text, disallowed_special=())
 
     def decode(self, token_ids: list[int]) -> str:
+        """Undecodable bytes become U+FFFD; one token is looked up, not decoded."""
+        if len(token_ids) == 1 and 0 <= token_ids[0] < self.vocab_size:
+            return self.token_string_table[token_ids[0]]
         return self.encoding.decode(token_ids, errors="replace")
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:

@@ -55,7 +55,8 @@ class ModelRunner:
         self.startup.add("load", time.perf_counter() - start - table_seconds)
         if table_source is not None:
             self.startup.add("skinny table", table_seconds, table_source)
-        self.sampler = Sampler(config.model.seed, self.model.ops.sample)
+        self.sampler = Sampler(config.model.seed, self.model.ops.sample,
+                               self.model.ops.masked_sample)
         log.info("loaded %s (%s, %s, %s attention) with its kernels in %.1f s", model_dir,
                  self.device, self.dtype, self.attention_backend, time.perf_counter() - start)
         self.block_size = config.cache.block_size
@@ -159,7 +160,8 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor, torch.Tensor | None, PromptLogprobsOutput | None]:
         """Logits of the sampling rows in the model's dtype (`draw_inputs` are theirs), plus
         each one's draw when a graph made it, and the step's prompt logprobs, if it has
-        PromptLogprobsJobs (such a step runs eagerly: they read every row's hidden state).
+        PromptLogprobsJobs: they read every row's final hidden state, the eager forward's
+        result or the mixed-step graph's static output of it, right after its replay.
         Graphs run on the cache they captured; decode steps never have prompt logprobs."""
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, dtype=self.dtype,
@@ -172,25 +174,31 @@ class ModelRunner:
             return *self.decode_graphs.run(seqs, sources, prev_tokens, draw_inputs), None
         host = prepare_host_inputs(seqs, self.block_size, self.max_blocks_per_seq)
         write_drafts = plan.write_drafts(host)
-        if (self.mixed_graphs is not None and not out.has_prompt_logprobs
-                and self.mixed_graphs.fits(host)):
-            return *self.mixed_graphs.run(host, sources, prev_tokens, draw_inputs, write_drafts,
-                                          plan.follow), None
-        step = to_device(host, self.device)
-        if prev_tokens is not None:
-            take_placeholders(step, host, sources, prev_tokens)
-        if write_drafts is not None:
-            write_drafts(step.input_ids)
-        hidden = self.model(step.input_ids, step.positions, kv_caches, step.meta)
-        follower = self.speculation.follower
-        if follower is not None and plan.follow:
-            follower(step.input_ids, step.positions, step.meta)
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(host):
+            logits, drawn = self.mixed_graphs.run(host, sources, prev_tokens, draw_inputs,
+                                                  write_drafts, plan.follow)
+            if not out.has_prompt_logprobs:
+                return logits, drawn, None
+            hidden = self.mixed_graphs.hidden(len(host.token_ids))
+        else:
+            step = to_device(host, self.device)
+            if prev_tokens is not None:
+                take_placeholders(step, host, sources, prev_tokens)
+            if write_drafts is not None:
+                write_drafts(step.input_ids)
+            hidden = self.model(step.input_ids, step.positions, kv_caches, step.meta)
+            follower = self.speculation.follower
+            if follower is not None and plan.follow:
+                follower(step.input_ids, step.positions, step.meta)
+            logits = drawn = None  # after the prompt logprobs' slices: not held beside them
         prompt_logprobs = None
         if out.has_prompt_logprobs:
             prompt_logprobs = compute_prompt_logprobs(hidden, self.model.lm_head, seqs,
                                                       host.query_start_loc)
             prompt_logprobs.begin_host_copy()
-        return self.model.lm_head(hidden[step.sample_indices]), None, prompt_logprobs
+        if logits is None:
+            logits = self.model.lm_head(hidden[step.sample_indices])
+        return logits, drawn, prompt_logprobs
 
     def _prev_sampled(self, out: SchedulerOutput, sources: list[int]) -> torch.Tensor | None:
         """The device tokens that `out`'s placeholders (sources >= 0) name: those step

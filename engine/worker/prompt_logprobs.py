@@ -6,8 +6,11 @@ at the top-k.
         lm_head ─▶ float32 log_softmax [<= SLICE_ROWS, vocab] ─▶ target logprob, rank, top-k
     ─▶ [P], [P], [P, k], [P, k] on the device ─▶ host, one PromptLogprobs per job
 
-Only one slice's logits exist at a time, each written over in place (about two slices of
-float32 at the peak), so a long prompt never holds [P, vocab] in float32.
+Only one slice's logits exist at a time: its log-probs in float32, written over in place,
+beside its logits in the model's dtype only while log_softmax reads them (at most two slices
+of float32 at the peak), so a long prompt never holds [P, vocab] in float32. Results are
+written straight into the output's rows; jobs whose rows make one run (a single job, say)
+read `hidden` through views rather than a gather.
 """
 from __future__ import annotations
 
@@ -55,13 +58,13 @@ class PromptLogprobsOutput:
         self.begin_host_copy()
         if self.ready is not None:
             self.ready.synchronize()
-        token_lps, ranks, top_ids, top_lps = (t.tolist() for t in self.host)
+        token_lps, ranks, top_ids, top_lps = (t.numpy() for t in self.host)
         results = {}
         for j, request_id in enumerate(self.request_ids):
             rows, k = slice(self.offsets[j], self.offsets[j + 1]), self.num_top[j]
             results[request_id] = PromptLogprobs(
-                self.first_indices[j], token_lps[rows], ranks[rows],
-                [ids[:k] for ids in top_ids[rows]], [lps[:k] for lps in top_lps[rows]])
+                self.first_indices[j], token_lps[rows].tolist(), ranks[rows].tolist(),
+                top_ids[rows, :k].tolist(), top_lps[rows, :k].tolist())
         return results
 
 
@@ -70,19 +73,27 @@ def compute_prompt_logprobs(hidden: torch.Tensor, lm_head: Callable[[torch.Tenso
                             query_start_loc: np.ndarray) -> PromptLogprobsOutput:
     """The PromptLogprobsJobs of `seqs` over a step's final hidden states (sequence i owns
     rows query_start_loc[i]:query_start_loc[i + 1] of `hidden`); at least one has a job.
-    `lm_head` returns fresh logits for the rows it is given, which are overwritten."""
+    `lm_head` returns the logits of the rows it is given."""
     jobs = [(s.prompt_logprobs, s, int(query_start_loc[i])) for i, s in enumerate(seqs)
             if s.prompt_logprobs is not None]
     counts = [len(job.target_ids) for job, _, _ in jobs]
     out = _allocate(jobs, counts, hidden.device)
-    rows = upload(np.concatenate([first + job.first_row + np.arange(count)
-                                  for (job, _, first), count in zip(jobs, counts)]),
-                  torch.int64, hidden.device)
-    targets = upload(np.concatenate([job.target_ids for job, _, _ in jobs]), torch.int64,
-                     hidden.device)
-    for start in range(0, len(rows), SLICE_ROWS):
+    starts = [first + job.first_row for job, _, first in jobs]  # each job's first row
+    targets = np.concatenate([job.target_ids for job, _, _ in jobs])
+    if all(start + count == after for start, count, after in zip(starts, counts, starts[1:])):
+        run = hidden[starts[0]:starts[0] + len(targets)]
+        rows_of = run.__getitem__  # one run of rows: slices of it are views
+        targets = upload(targets, torch.int64, hidden.device)
+    else:
+        row_ids = np.concatenate([start + np.arange(count)
+                                  for start, count in zip(starts, counts)])
+        row_ids, targets = upload(np.stack([row_ids, targets]), torch.int64, hidden.device)
+        def rows_of(part: slice) -> torch.Tensor:  # gathered a slice at a time
+            return hidden[row_ids[part]]
+    for start in range(0, len(targets), SLICE_ROWS):
         part = slice(start, start + SLICE_ROWS)
-        _fill_slice(out, part, lm_head(hidden[rows[part]]).float(), targets[part])
+        logprobs = torch.log_softmax(lm_head(rows_of(part)), dim=-1, dtype=torch.float32)
+        _fill_slice(out, part, logprobs, targets[part])
     return out
 
 
@@ -101,15 +112,15 @@ def _allocate(jobs: list[tuple[PromptLogprobsJob, ScheduledSequence, int]], coun
         top_logprobs=torch.empty(num_rows, width, dtype=torch.float32, device=device))
 
 
-def _fill_slice(out: PromptLogprobsOutput, part: slice, logits: torch.Tensor,
+def _fill_slice(out: PromptLogprobsOutput, part: slice, logprobs: torch.Tensor,
                 targets: torch.Tensor) -> None:
     """Write one slice's target logprobs, ranks (vLLM's: how many tokens have a logprob >=
-    the target's) and top-k into `out`'s rows `part`. `logits` (float32, fresh) are
-    overwritten: in place they become the logprobs, then the rank's comparison, so that
-    besides them only logsumexp's temporary is ever the slice's size."""
-    logprobs = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))
-    token = logprobs.gather(1, targets[:, None])
-    out.token_logprobs[part] = token.squeeze(1)
+    the target's) and top-k into `out`'s rows `part` (the logprob and top-k written there
+    directly). `logprobs` (float32, fresh) are overwritten in place by the rank's
+    comparison, so no other temporary is ever the slice's size."""
+    token = out.token_logprobs[part][:, None]  # a view of the output's rows: [rows, 1]
+    torch.gather(logprobs, 1, targets[:, None], out=token)
     if out.top_ids.shape[1]:
-        out.top_logprobs[part], out.top_ids[part] = logprobs.topk(out.top_ids.shape[1], dim=-1)
+        torch.topk(logprobs, out.top_ids.shape[1], dim=-1,
+                   out=(out.top_logprobs[part], out.top_ids[part]))
     out.ranks[part] = logprobs.ge_(token).sum(dim=-1)  # 1.0 where >=: an exact float count

@@ -2,7 +2,9 @@
 rank and top-k against transformers' log_softmax of the same checkpoint, through chunked
 prefill, the prefix cache, preemption and max_tokens 0; slices bound the float32 logits; a
 step without prompt logprobs computes none. A fake runner checks the scheduler's side: each
-position is reported once, whatever preemptions recompute."""
+position is reported once, whatever preemptions recompute. The output processor's maps and
+decoded tokens are vLLM's; steps with prompt logprobs replay the mixed-step graphs (their
+staging on CPU with eager replays; the captured graphs against eager on CUDA)."""
 from __future__ import annotations
 
 import random
@@ -16,7 +18,12 @@ from engine.core.batch import (PromptLogprobs, PromptLogprobsJob, ScheduledSeque
                                SchedulerOutput)
 from engine.core.config import EngineConfig
 from engine.llm import LLMEngine
+from engine.output.outputs import Logprob
+from engine.output.processor import _PromptLogprobs
+from engine.output.tokenizer import Tokenizer
+from engine.worker.cuda_graphs import MixedGraphs, mixed_capture_sizes
 from engine.worker.prompt_logprobs import SLICE_ROWS, compute_prompt_logprobs
+from eager_graphs import replay_eagerly
 from fakes import CompletedStep, PipelinedFakeRunner
 
 TOLERANCE = 1e-4  # float32 on CPU: the paged forward against transformers' dense one
@@ -161,6 +168,140 @@ def test_slices_bound_the_float32_logits(tiny_checkpoint):
     assert torch.allclose(torch.tensor(result.token_logprobs), expected, atol=1e-5)
     assert result.ranks == (whole >= expected[:, None]).sum(-1).tolist()
     assert torch.allclose(torch.tensor(result.top_logprobs), whole.topk(4).values, atol=1e-5)
+
+
+def test_jobs_apart_in_a_step_gather_their_own_rows():
+    """Two jobs whose rows do not make one run (a sequence without a job between them, and
+    one starting past its chunk's first row) read their own rows, as one job each would."""
+    torch.manual_seed(1)
+    vocab, width = 50, 8
+    weight = torch.randn(vocab, width)
+    hidden = torch.randn(30, width)
+
+    def lm_head(rows: torch.Tensor) -> torch.Tensor:
+        return rows @ weight.T
+
+    def seq(name: str, n: int, job: PromptLogprobsJob | None) -> ScheduledSequence:
+        return ScheduledSequence(name, [0] * n, 0, (0,), True, SamplingParams(),
+                                 prompt_logprobs=job)
+
+    jobs = {"a": PromptLogprobsJob(0, (3, 4, 5, 6, 7), 2),
+            "c": PromptLogprobsJob(2, tuple(range(10, 20)), 3)}
+    seqs = [seq("a", 6, jobs["a"]), seq("b", 4, None), seq("c", 20, jobs["c"])]
+    together = compute_prompt_logprobs(hidden, lm_head, seqs, np.array([0, 6, 10, 30]))
+    together = together.to_host()
+    alone = {**compute_prompt_logprobs(hidden[:6], lm_head, seqs[:1], np.array([0, 6])).to_host(),
+             **compute_prompt_logprobs(hidden[10:], lm_head, seqs[2:], np.array([0, 20]))
+             .to_host()}
+    for name, result in together.items():  # the same rows: equal up to the matmul's rounding
+        assert (result.first_index, result.ranks, result.top_token_ids) == (
+            alone[name].first_index, alone[name].ranks, alone[name].top_token_ids)
+        assert np.allclose(result.token_logprobs, alone[name].token_logprobs, atol=1e-5)
+        assert np.allclose(result.top_logprobs, alone[name].top_logprobs, atol=1e-5)
+    whole = torch.log_softmax(hidden[12:22] @ weight.T, dim=-1)
+    assert torch.allclose(torch.tensor(together["c"].token_logprobs),
+                          whole.gather(1, torch.arange(10, 20)[:, None]).squeeze(1), atol=1e-5)
+    assert [len(ids) for ids in together["a"].top_token_ids] == [2] * 5
+
+
+def test_a_single_tokens_text_is_its_decoding_alone():
+    """The per-token table behind decode([t]) and the prompt logprobs' decoded tokens holds
+    tiktoken's decoding of each token alone, partial UTF-8 characters as U+FFFD."""
+    tokenizer = Tokenizer()
+    table = tokenizer.token_string_table
+    assert len(table) == tokenizer.vocab_size
+    assert table == [tokenizer.encoding.decode([t], errors="replace") for t in range(len(table))]
+    assert all(tokenizer.decode([t]) == table[t] for t in (0, 198, 50256, 447, 8582))
+    assert "\ufffd" in table[447] and tokenizer.decode([447, 247]) == "\u2019"
+
+
+def test_prompt_logprobs_maps_hold_the_token_then_the_top_k():
+    """vLLM's map at each position: the prompt token's own Logprob first, then the top-k by
+    rank; a token among the top-k keeps its place in the map with its top-k Logprob."""
+    tokenizer = Tokenizer()
+    built = _PromptLogprobs([5, 10, 20, 30], tokenizer)
+    built.add(PromptLogprobs(1, [-1.5, -0.5], [7, 1], [[40, 41], [20, 42]],
+                             [[-0.1, -0.2], [-0.5, -1.0]]))
+    assert built.complete() is None  # position 3 has not arrived
+    built.add(PromptLogprobs(3, [-3.0], [2], [[0, 30]], [[-0.25, -3.0]]))
+    text = tokenizer.encoding.decode
+    expected = [None,
+                {10: Logprob(-1.5, 7, text([10])), 40: Logprob(-0.1, 1, text([40])),
+                 41: Logprob(-0.2, 2, text([41]))},
+                {20: Logprob(-0.5, 1, text([20])), 42: Logprob(-1.0, 2, text([42]))},
+                {30: Logprob(-3.0, 2, text([30])), 0: Logprob(-0.25, 1, text([0]))}]
+    entries = built.complete()
+    assert entries == expected
+    assert [list(e) for e in entries[1:]] == [list(e) for e in expected[1:]]
+    assert all(type(lp) is Logprob for e in entries[1:] for lp in e.values())
+    with pytest.raises(AttributeError):  # still frozen
+        entries[1][10].rank = 3
+
+
+@pytest.mark.slow
+def test_prompt_logprob_steps_replay_the_mixed_graph_staging_on_cpu(tiny_checkpoint, prompts,
+                                                                    hf_logprobs, monkeypatch):
+    """Steps with prompt logprobs (chunks of several prompts, beside decodes) go through the
+    mixed-step graphs, replaced by eager replays on CPU: their prompt logprobs, read from the
+    graph's hidden-state output after the replay, are transformers' at every position."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
+    llm = make_llm(tiny_checkpoint, max_num_seqs=4, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    mixed = MixedGraphs(runner.model, runner.kv_caches, mixed_capture_sizes(64), 4,
+                        runner.max_blocks_per_seq, 1024, torch.device("cpu"))
+    replay_eagerly(mixed)
+    runner.mixed_graphs = mixed
+    read = []
+    hidden = mixed.hidden
+    monkeypatch.setattr(mixed, "hidden", lambda n: read.append(n) or hidden(n))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output, hf in zip(prompts, outputs, hf_logprobs):
+        check_against_hf(prompt, output.prompt_logprobs, hf, k=3)
+    assert len(read) >= 4 and max(read) > 32  # several steps, some in the largest graph
+
+
+CUDA_GRAPH_DTYPES = {"float32": TOLERANCE, "float16": 5e-2}  # graph against eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", list(CUDA_GRAPH_DTYPES))
+def test_prompt_logprobs_from_the_mixed_graph_equal_eager_on_cuda(tiny_checkpoint, prompts,
+                                                                  hf_logprobs, dtype):
+    """Steps with prompt logprobs replay the captured mixed-step graphs (chunked prefill:
+    several sizes, beside decodes) and read the graph's static hidden-state output: the
+    prompt logprobs are the eager run's (in float32 also transformers', at every position),
+    and the tokens too."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+
+    def generate(eager: bool) -> list:
+        llm = make_llm(tiny_checkpoint, device="cuda", dtype=dtype, attention_backend="auto",
+                       max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=eager)
+        graphs = llm.engine.runner.mixed_graphs
+        assert (graphs is None) == eager
+        if eager:
+            return llm.generate(prompts, params, use_tqdm=False)
+        read, hidden = [], graphs.hidden
+        graphs.hidden = lambda n: read.append(n) or hidden(n)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert len(read) >= 4 and max(read) > 32  # graphs of several sizes served them
+        return outputs
+
+    runs = {eager: generate(eager) for eager in (True, False)}
+    if dtype == "float32":
+        for outputs in runs.values():
+            for prompt, output, hf in zip(prompts, outputs, hf_logprobs):
+                check_against_hf(prompt, output.prompt_logprobs, hf, k=3)
+    tolerance = CUDA_GRAPH_DTYPES[dtype]
+    for prompt, eager, graph in zip(prompts, runs[True], runs[False]):
+        assert len(graph.prompt_logprobs) == len(prompt) and graph.prompt_logprobs[0] is None
+        for index in range(1, len(prompt)):
+            token = prompt[index]
+            assert abs(graph.prompt_logprobs[index][token].logprob
+                       - eager.prompt_logprobs[index][token].logprob) < tolerance
+        if dtype == "float32":
+            assert graph.token_ids == eager.token_ids
 
 
 def test_a_step_without_prompt_logprobs_computes_none(tiny_checkpoint, monkeypatch):

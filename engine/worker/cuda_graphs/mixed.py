@@ -9,7 +9,9 @@ pinned buffers:
                num_drafts + 1 rows, engine/speculative/verify.py) | padding: row 0, greedy
 
 The prefill attention grid depends only on shapes, so one capture serves every step that
-fits; padding rows write no KV and stay in their own rows through every row-wise op.
+fits; padding rows write no KV and stay in their own rows through every row-wise op. Each
+graph keeps its final hidden states [N, n_embd] as an output beside the logits and draws, so
+a step with prompt logprobs replays it too and reads its rows afterwards.
 """
 from __future__ import annotations
 
@@ -70,9 +72,23 @@ class MixedGraphs(GraphSet):
             seq_lens=m.seq_lens[:rows], query_start_loc=m.query_start_loc[:rows + 1],
             max_query_len=size, max_seq_len=self.max_model_len)
 
-    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sampling rows' logits and draws, and the final hidden states (after ln_f) of
+        all `size` token rows: an output too, so that it outlives the capture and a step's
+        prompt logprobs can read every row after the replay (`hidden`)."""
+        hidden = self._hidden(size)
         sampled = self.meta.sample_rows[:self.sample_rows(size)]
-        return self._logits_and_draws(self._hidden(size).index_select(0, sampled))
+        return *self._logits_and_draws(hidden.index_select(0, sampled)), hidden
+
+    def size_for(self, num_tokens: int) -> int:
+        """The padded token count of the graph that a step of num_tokens tokens replays."""
+        return next(s for s in self.sizes if s >= num_tokens)
+
+    def hidden(self, num_tokens: int) -> torch.Tensor:
+        """The final hidden states [num_tokens, n_embd] of the last step of num_tokens tokens
+        that `run` replayed (what the model returns eagerly for those rows): valid until the
+        next replay of the same size."""
+        return self.outputs[self.size_for(num_tokens)][2][:num_tokens]
 
     def run(self, host: HostInputs, sources: list[int], prev_tokens: torch.Tensor | None,
             draw_inputs: DrawInputs, write_drafts: WriteDrafts | None = None,
@@ -81,7 +97,7 @@ class MixedGraphs(GraphSet):
         draws of its sampling sequences. `write_drafts` writes the draft model's guesses
         into the token ids on the device before the replay; `follow` False: the follower's
         graph is not replayed."""
-        size = next(s for s in self.sizes if s >= len(host.token_ids))
+        size = self.size_for(len(host.token_ids))
         rows, sample_rows = self.rows(size), self.sample_rows(size)
         after_copy = None if write_drafts is None else (
             lambda: write_drafts(self.tokens.token_ids))
@@ -89,7 +105,7 @@ class MixedGraphs(GraphSet):
                                                        sample_rows),
                      prev_tokens, rows, after_copy, follow)
         num_samples = len(host.sample_indices)
-        logits, drawn = self.outputs[size]
+        logits, drawn, _ = self.outputs[size]
         return logits[:num_samples], drawn[:num_samples]
 
 
