@@ -10,6 +10,7 @@ core and the worker know speculation only through their small protocols.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from engine.core.config import EngineConfig
@@ -55,10 +56,9 @@ def build_runner(config: EngineConfig):
 
 def build_engine_core(config: EngineConfig, runner=None,
                       step_times: StepTimes | None = None) -> EngineCore:
-    """The core over `runner` (default: build_runner; tests pass fakes, whose grammars stay
-    in-process). The speculation switch-off decides from `step_times`, measured on a built
-    runner's CUDA device (CPU times say nothing of a GPU's); without them every step
-    speculates."""
+    """The core over `runner` (default: build_runner; tests pass fakes, grammars in-process).
+    The switch-off decides from `step_times`, timed on a built runner's CUDA device; without
+    them every step speculates."""
     device = None
     if runner is None:
         runner = build_runner(config)
@@ -69,12 +69,15 @@ def build_engine_core(config: EngineConfig, runner=None,
 
 
 def build_grammars(config: EngineConfig, device) -> StructuredOutputs | GrammarProcess:
-    """On CUDA, where the core's thread sets the pace, grammars live in a child process whose
-    mask fill overlaps that thread's work; elsewhere in the core's process (a child takes
-    seconds to import xgrammar, and a CPU forward dwarfs a fill)."""
+    """On CUDA grammars live in a child process, so mask fills overlap the core's thread;
+    elsewhere in-process (a child takes seconds to import xgrammar; a CPU forward dwarfs a
+    fill)."""
     max_rows = config.scheduler.max_num_seqs
     if getattr(device, "type", None) == "cuda":
-        return GrammarProcess(max_rows, pin=True)
+        # a large mask's fill threads, on cores the core's loop leaves idle; beyond 4 xgrammar's
+        # pool costs more than it saves
+        fill_threads = max(1, min(4, len(os.sched_getaffinity(0)) - 2))
+        return GrammarProcess(max_rows, fill_threads, pin=True)
     return StructuredOutputs(max_rows)
 
 

@@ -109,12 +109,14 @@ class Sampler:
     """Turns a step's logits into next tokens. `draw` is the device's Gumbel-max op
     (`Ops.sample`), `masked_draw` the same over grammar bitmasks, in place
     (`Ops.masked_sample`); the only state is the generator that seeds unseeded rows (seeded
-    once, so a whole engine run is reproducible)."""
+    once, so a whole engine run is reproducible). `masked_graphs`, once the runner has
+    captured them, replay the masked draw after a graph's draws."""
 
     def __init__(self, seed: int = 0, draw=layers.sample, masked_draw=layers.masked_sample):
         self.rng = np.random.default_rng(seed)
         self.draw = draw
         self.masked_draw = masked_draw
+        self.masked_graphs = None  # cuda_graphs.MaskedDrawGraphs
 
     def draw_inputs(self, seqs: list[ScheduledSequence]) -> DrawInputs:
         """Host arrays for this step's draw; every step takes fresh seeds for its rows."""
@@ -173,6 +175,11 @@ class Sampler:
         device = logits.device
         rows = np.array([i for i, s in enumerate(seqs) if s.params.structured_outputs is not None],
                         dtype=np.int64)
+        graphs = self.masked_graphs
+        if graphs is not None and drawn is not None and len(rows) <= graphs.sizes[-1]:
+            check_mask(seqs, rows.tolist(), mask)
+            graphs.run(logits, rows, mask.bitmask, temperature[rows], seeds[rows], drawn)
+            return drawn
         words = grammar_words(seqs, rows.tolist(), mask, device)
         if drawn is None:
             drawn = (self.draw(logits, upload(temperature, torch.float32, device),
@@ -204,9 +211,13 @@ def grammar_words(seqs: list[ScheduledSequence], rows: list[int], mask: GrammarM
     `seqs`, in order. Copied straight from its array, which may be page-locked and stays
     valid until the step's tokens are waited for (so no pinned staging copy); on the CPU, the
     array itself."""
+    check_mask(seqs, rows, mask)
+    return torch.from_numpy(mask.bitmask).to(device, non_blocking=True)
+
+
+def check_mask(seqs: list[ScheduledSequence], rows: list[int], mask: GrammarMask | None) -> None:
     if mask is None or mask.request_ids != [seqs[i].request_id for i in rows]:
         raise ValueError("the grammar mask does not match the step's constrained rows")
-    return torch.from_numpy(mask.bitmask).to(device, non_blocking=True)
 
 
 def apply_grammar_mask(logits: torch.Tensor, seqs: list[ScheduledSequence],

@@ -265,3 +265,33 @@ def test_the_masked_draw_takes_only_allowed_tokens(graph_drew, constrained):
     for wrong in (None, GrammarMask(mask.request_ids[::-1], mask.bitmask)):
         with pytest.raises(ValueError, match="does not match"):
             sampler(logits, seqs, draw_inputs, drawn, wrong)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("count", [1, 3, 8, 13])
+def test_the_masked_draw_graphs_draw_what_the_kernel_draws(count):
+    from engine.worker.cuda_graphs import MaskedDrawGraphs
+    from kernels.sampling import masked_row_sample
+
+    device, vocab, batch = torch.device("cuda"), 1000, 16
+    words = -(-vocab // 32)
+    graphs = MaskedDrawGraphs(masked_row_sample, vocab, words, torch.float16, batch, device)
+    graphs.capture()
+    rng = np.random.default_rng(count)
+    for _ in range(3):  # the staging and the padding rows are reused from step to step
+        logits = torch.randn(batch, vocab, device=device).half()
+        rows = np.sort(rng.choice(batch, count, replace=False)).astype(np.int64)
+        bits = rng.random((count, words * 32)) < 0.1
+        bitmask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+        temperature = rng.choice([0.0, 0.7, 1.0], count).astype(np.float32)
+        seeds = rng.integers(0, 2**62, count)
+        drawn = torch.full((batch,), -1, dtype=torch.int64, device=device)
+        expected = drawn.clone()
+        masked_row_sample(logits, torch.from_numpy(rows).to(device),
+                          torch.from_numpy(bitmask).to(device),
+                          torch.from_numpy(temperature).to(device),
+                          torch.from_numpy(seeds).to(device), expected)
+        graphs.run(logits, rows, bitmask, temperature, seeds, drawn)
+        assert torch.equal(drawn, expected)
+        assert (drawn[rows] >= 0).all() and bits[np.arange(count), drawn[rows].cpu()].all()

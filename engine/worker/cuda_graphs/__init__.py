@@ -1,6 +1,7 @@
 """CUDA graphs for whole steps (forward, logits, each row's draw), one per padded size at
 GraphPlan's sizes (plan.py): `DecodeGraphs` per batch size, `MixedGraphs` (steps with prompt
-tokens) per token count; both share one memory pool.
+tokens) per token count; both share one memory pool. `MaskedDrawGraphs` (masked_draw.py)
+replay the masked draw of a step's structured-output rows.
 
 Each set reads two packed device buffers (buffers.py), copied from pinned memory each step:
 
@@ -11,10 +12,11 @@ Each set reads two packed device buffers (buffers.py), copied from pinned memory
 token_source indexes prev_tokens | token_ids: a placeholder's sampled token, or a known token.
 """
 from engine.worker.cuda_graphs.decode import DecodeGraphs, DecodeStager, decode_meta_layout
+from engine.worker.cuda_graphs.masked_draw import MaskedDrawGraphs
 from engine.worker.cuda_graphs.mixed import MixedGraphs, MixedStager, mixed_meta_layout
 from engine.worker.cuda_graphs.plan import (MIN_MIXED_TOKENS, GraphPlan, capture_sizes,
                                             mixed_capture_sizes)
 
-__all__ = ["MIN_MIXED_TOKENS", "DecodeGraphs", "DecodeStager", "GraphPlan", "MixedGraphs",
-           "MixedStager", "capture_sizes", "decode_meta_layout", "mixed_capture_sizes",
-           "mixed_meta_layout"]
+__all__ = ["MIN_MIXED_TOKENS", "DecodeGraphs", "DecodeStager", "GraphPlan", "MaskedDrawGraphs",
+           "MixedGraphs", "MixedStager", "capture_sizes", "decode_meta_layout",
+           "mixed_capture_sizes", "mixed_meta_layout"]
