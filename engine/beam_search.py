@@ -1,12 +1,10 @@
 """Beam search outside the engine core, as vLLM v1 runs it: every step asks the engine for one
 token of every live beam, with the top 2 x beam_width logprobs, and extends the beams from
-those candidates. The engine needs nothing for it: each one-token request holds its beam's
-whole token list, and the prefix cache shares the full KV blocks of the beams' common prefix
-(and of each beam's own past) by reference counting, so a step computes only each beam's
-last, partial block.
+those candidates. Each one-token request holds its beam's whole token list; the prefix cache
+shares the beams' full KV blocks, so a step computes only each beam's last, partial block.
 
-`BeamSearch` is one prompt's search, independent of how a step is run; the offline
-`LLM.beam_search` (engine/llm.py) and the server (server/beam_search.py) drive it alike:
+`BeamSearch` is one prompt's search; the offline `LLM.beam_search` and the server
+(server/beam_search.py) drive it alike:
 
     search = BeamSearch(prompt_token_ids, params)
     while not search.finished:
@@ -15,9 +13,9 @@ last, partial block.
         search.advance([step_result(r) for r in results])
     search.result()                           # best first, at most beam_width
 
-Selection, scoring and termination follow Hugging Face transformers' `_beam_search` (greedy,
-`do_sample=False`), so that a greedy search returns what `generate(num_beams=B,
-num_return_sequences=B, length_penalty=..., early_stopping=...)` returns, token for token:
+Selection, scoring and termination follow HF transformers' greedy `_beam_search`: the result
+is `generate(num_beams=B, num_return_sequences=B, length_penalty, early_stopping)`'s, token
+for token:
 
 - Each step ranks every live beam's candidates by cumulative logprob and keeps the top 2B.
   Among them, the best B that do not end become the next live beams; an ending candidate
@@ -30,22 +28,13 @@ num_return_sequences=B, length_penalty=..., early_stopping=...)` returns, token 
   length_penalty <= 0) when the best live beam, scored at its current length, cannot beat
   the worst finished one; with "never" and length_penalty > 0, scored at max_tokens.
 
-Where vLLM's v1 beam search differs, this module follows HF, and says so here:
-
-- vLLM keeps every EOS candidate of every beam's top 2B as finished, not only those in the
-  step's top B; it never stops before max_tokens (no early_stopping); its length penalty
-  divides by the length of the prompt plus the generated tokens, less a final EOS, and is
-  applied only to rank the finished and live beams once at the end.
-- A step's candidates are each beam's top 2B tokens by raw logprob, so `temperature` changes
-  nothing and the one-token requests run greedily. vLLM passes it to them, and their
-  sampled token joins the candidates; it never ranks above its beam's top 2B, so vLLM never
-  keeps it as a live beam either, only a sampled EOS as finished. HF's beam sampling
-  (multinomial draws over the cumulative scores) is not reproduced.
-- Returned tokens hold the prompt, as vLLM's do; a final EOS is among them only with
-  include_stop_str_in_output (vLLM's server rule; its offline API always keeps it).
-
-One difference from HF remains: logprobs are summed in float64 here, in float32 there; the
-two agree unless candidates tie within float32 rounding.
+Where vLLM's v1 beam search differs, this follows HF: vLLM keeps every EOS candidate of the
+top 2B as finished, never stops before max_tokens, and applies its length penalty (over
+prompt + generated tokens) only to the final ranking. Candidates are each beam's top 2B by
+raw logprob, so `temperature` changes nothing (HF's beam sampling is not reproduced).
+Returned tokens hold the prompt, as vLLM's do; a final EOS only with
+include_stop_str_in_output. Logprobs sum in float64 (HF: float32): equal unless candidates
+tie within float32 rounding.
 """
 from __future__ import annotations
 
@@ -97,10 +86,9 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One returned beam. `tokens`: the prompt's, then the generated ones (a final EOS only
-    with include_stop_str_in_output); `logprobs`: one entry per generated token, a final EOS
-    included, each the step's top 2B with this beam's token as `token_logprob`;
-    `cum_logprob`: their sum. `text` is filled by the caller (it owns the tokenizer)."""
+    """One returned beam. `tokens`: prompt then generated (a final EOS only with
+    include_stop_str_in_output); `logprobs`: per generated token, a final EOS included, the
+    step's top 2B with this beam's token as `token_logprob`; `text`: the caller's to fill."""
     tokens: list[int]
     logprobs: list[TokenLogprobs]
     cum_logprob: float
@@ -114,12 +102,11 @@ class BeamSearchSequence:
         return self.tokens[self.num_prompt_tokens:]
 
     def text_token_ids(self, with_prompt: bool) -> list[int]:
-        """The tokens whose text is the output's: a final EOS left out, the prompt's first
-        when `with_prompt`."""
+        """The tokens whose text is the output's: no final EOS; the prompt first if asked."""
         end = len(self.tokens)
         if (self.stop_reason is not None and end > self.num_prompt_tokens
                 and self.tokens[-1] == self.stop_reason):
-            end -= 1  # the EOS that include_stop_str_in_output kept: it has no text
+            end -= 1  # a kept EOS has no text
         return self.tokens[0 if with_prompt else self.num_prompt_tokens:end]
 
 
@@ -131,7 +118,6 @@ class BeamSearchOutput:
 
 @dataclass(frozen=True)
 class _Beam:
-    """A live beam: the tokens generated so far, their logprob entries and their sum."""
     generated: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs, ...] = ()
     cum_logprob: float = 0.0
@@ -146,7 +132,6 @@ class _Finished:
 
 @dataclass(frozen=True)
 class _Candidate:
-    """A live beam extended by one of its step's top tokens."""
     cum_logprob: float
     parent: _Beam
     token: int
@@ -172,7 +157,6 @@ class BeamSearch:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_id = eos_token_id
-        # the one-token request each live beam runs per step
         self.step_params = SamplingParams(max_tokens=1, temperature=0.0,
                                           logprobs=params.num_candidates)
         self._live: list[_Beam] = [_Beam()]
@@ -181,8 +165,7 @@ class BeamSearch:
         self.finished = False
 
     def requests(self) -> list[list[int]]:
-        """The token list (prompt + generated) of each live beam's next one-token request,
-        best beam first; empty once finished."""
+        """Each live beam's prompt + generated tokens, best first; empty once finished."""
         if self.finished:
             return []
         return [self.prompt_token_ids + list(beam.generated) for beam in self._live]
@@ -207,7 +190,7 @@ class BeamSearch:
         self.finished = not self._live or self._cannot_improve()
 
     def result(self) -> list[BeamSearchSequence]:
-        """The finished hypotheses, best first (text left to the caller)."""
+        """The finished hypotheses, best first."""
         if not self.finished:
             raise RuntimeError("result() before the search finished")
         return [self._sequence(f) for f in self._finished]

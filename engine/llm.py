@@ -31,9 +31,8 @@ Prompt = str | list[int]
 
 
 class LLMEngine:
-    """The engine in one process: tokenizer, OutputProcessor and EngineCore, stepped by the
-    caller (the offline `LLM`, tests). The server runs the same two halves in two processes
-    (server/core_main.py)."""
+    """Tokenizer, OutputProcessor and EngineCore in one process, stepped by the caller; the
+    server runs the same two halves in two processes (server/core_main.py)."""
 
     def __init__(self, config: EngineConfig, runner=None,
                  step_times: StepTimes | None = None) -> None:
@@ -45,8 +44,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
-        """Validate and queue a request. Raises ValueError with a clear message on bad input.
-        cache_salt: see OutputProcessor.add."""
+        """Validate and queue a request; ValueError on bad input. cache_salt: see
+        OutputProcessor.add."""
         if params.structured_outputs is not None:
             check_structured_outputs(params.structured_outputs)
         token_ids = self.tokenizer.encode_prompt(prompt)
@@ -54,7 +53,7 @@ class LLMEngine:
         sequences = self.processor.add(request_id, prompt if isinstance(prompt, str) else None,
                                        token_ids, params, arrival, cache_salt=cache_salt)
         try:
-            for seq in sequences:  # all choices pass the same checks: the first raises
+            for seq in sequences:
                 self.core.add(seq)
         except ValueError:
             self.processor.abort(request_id)
@@ -82,7 +81,6 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
-    # the core's parts, for tests, benchmarks and profiles
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
@@ -110,7 +108,6 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else params
-        # only finished outputs are kept here: skip building per-step outputs
         params_list = [replace(p, output_kind="final_only") for p in params_list]
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
@@ -123,11 +120,9 @@ class LLM:
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """vLLM's offline beam search (engine/beam_search.py): one BeamSearchOutput per
-        prompt, in order. A step runs one one-token request per live beam of every prompt,
-        all together. Each sequence's `text` is its tokens' text, the prompt's included (as
-        vLLM's), a final EOS left out. Raises ValueError if a prompt plus max_tokens cannot
-        fit the context or the KV pool."""
+        """vLLM's offline beam search: one BeamSearchOutput per prompt, in order; all prompts'
+        beams step together. A sequence's `text` includes the prompt's (as vLLM's), not a
+        final EOS. ValueError if a prompt plus max_tokens cannot fit the context or pool."""
         from tqdm import tqdm
 
         searches = [self._start_beam_search(prompt, params)
@@ -174,8 +169,7 @@ class LLM:
         return [done[i] for i in ids]
 
     def get_metrics(self) -> list[Counter | Vector]:
-        """vLLM's offline accessor: the engine's cumulative counters under vLLM's names,
-        with the speculative decoding ones when the engine speculates."""
+        """vLLM's offline accessor: the cumulative counters under vLLM's names."""
         stats = self.engine.stats()
         counters = [Counter(f"vllm:{name}", getattr(stats, name)) for name in ENGINE_COUNTERS]
         speculator = self.engine.core.speculator

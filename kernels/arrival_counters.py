@@ -1,17 +1,15 @@
 """Arrival counters for split reductions finished inside one launch.
 
 A kernel that splits one output across programs (split-K GEMM, split-KV attention) needs no
-second launch to combine the partials: each program writes its partial, then
-bumps the output's counter; the program that arrives last combines every partial, in split
-order (deterministic), and puts the counter back to zero:
+second launch: each program writes its partial, then bumps the output's counter; the last to
+arrive combines every partial in split order (deterministic) and resets the counter to zero:
 
     split 0 ──write partial──▶ atomic +1 ─▶ 0 ≠ last: done
     split 2 ──write partial──▶ atomic +1 ─▶ 1 ≠ last: done
     split 1 ──write partial──▶ atomic +1 ─▶ 2 = last: sum partials 0,1,2 ─▶ output, counter = 0
 
-Kernels on one stream run one after another and each leaves its counters at zero, so one
-buffer per device serves them all. It is allocated (zeroed) on first use, which must not be
-inside a CUDA-graph capture: the model runner's warm-up step comes first.
+Kernels on one stream run in turn and leave their counters at zero, so one buffer per device
+serves them all. It is allocated on first use, which must precede any CUDA-graph capture.
 """
 from __future__ import annotations
 

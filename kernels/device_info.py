@@ -1,5 +1,5 @@
 """Device facts the kernels size their grids by, looked up once: a properties query costs
-tens of microseconds of host time, more than the kernels it sizes."""
+more host time than the kernels it sizes."""
 from __future__ import annotations
 
 import functools

@@ -1,10 +1,9 @@
 """The start of a draft chain run queued ahead, in one launch: every iteration's plan and
-the first iteration's two token rows a sequence, from the last run's rows and what their
-verification accepted. What it computes, with a diagram: the reference,
-`engine.worker.chain_start.chain_start`, whose fifty-odd small torch ops this replaces.
+the first iteration's two token rows a sequence. Reference, with a diagram:
+`engine.speculative.draft_model.chain_start.chain_start`.
 
-One program holds every row (a graph's rows, up to a few hundred): a handful of loads and
-stores a row, a step's only cost being the launch.
+One program holds every row (up to a few hundred): a handful of loads and stores a row, so
+the launch is the whole cost.
 """
 from __future__ import annotations
 
@@ -67,7 +66,7 @@ def draft_chain_start(staged_positions: torch.Tensor, staged_tokens: torch.Tenso
                       plan_slots: torch.Tensor, plan_seq_lens: torch.Tensor,
                       plan_drafted: torch.Tensor, first_tokens: torch.Tensor,
                       first_positions: torch.Tensor, first_slots: torch.Tensor) -> None:
-    """engine.worker.chain_start.chain_start's arguments and writes."""
+    """engine.speculative.draft_model.chain_start.chain_start's arguments and writes."""
     iterations, rows = plan_positions.shape
     for t in (plan_positions, plan_slots, plan_seq_lens, plan_drafted, first_tokens,
               first_positions, first_slots, staged_positions, staged_tokens, draft_counts,

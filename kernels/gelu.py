@@ -3,8 +3,8 @@
 gelu_tanh(z) = 0.5 z (1 + tanh(u)) with u = sqrt(2/pi) (z + 0.044715 z^3). Since
 0.5 (1 + tanh(u)) = sigmoid(2u), the kernel computes z / (1 + exp(-2u)) with exp2, which is
 stable at both tails (huge exp -> result 0; exp underflows to 0 -> result z).
-Elements are walked flat so no block is partly empty at row ends; the bias column is
-offset % n_cols. Reference: `engine.worker.layers.bias_gelu`.
+Elements are walked flat (bias column: offset % n_cols). Reference:
+`engine.worker.layers.bias_gelu`.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""LayerNorm and fused residual-add + LayerNorm, one program per row (or per 4 rows in big
-batches).
+"""LayerNorm and fused residual-add + LayerNorm, one program per row (4 rows in big batches).
 
-A GPT-2 row (768..1600 features) fits in registers, so each program reads its row once, keeps
-it on chip for the mean, the variance and the normalization, and writes once: the kernel is
-pure memory traffic and is judged against copy bandwidth. Statistics are fp32 whatever the
-input dtype. The fused variant also writes the new residual stream `x + residual`, rounded to
-the input dtype first so the normalized output matches the unfused reference bit-for-bit in
-what it normalizes. References: `engine.worker.layers.layer_norm` / `add_layer_norm`.
+A GPT-2 row (768..1600 features) fits in registers: each program reads it once and writes
+once. Statistics are fp32 whatever the input dtype. The fused variant also writes the new
+residual stream `x + residual`, rounded to the input dtype first, as the unfused reference
+normalizes it. References: `engine.worker.layers.layer_norm` / `add_layer_norm`.
 """
 from __future__ import annotations
 
@@ -53,8 +50,7 @@ def _launch(x, residual, weight, bias, eps):
     summed = out if residual is None else torch.empty_like(x2)
     n_rows = x2.shape[0]
     block = triton.next_power_of_2(n_cols)
-    # a 1600-wide row is ~6 KB: too little traffic per program to hide one load's latency, so
-    # big batches (prefill) give each program several rows; decode keeps one row per program
+    # one row is too little traffic per program to hide a load's latency: big batches take more
     rows = ROWS_PER_PROGRAM if n_rows >= MANY_ROWS else 1
     if n_rows > 0:
         _layer_norm_kernel[(triton.cdiv(n_rows, rows),)](

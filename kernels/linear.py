@@ -1,11 +1,8 @@
 """Linear layers on the GPU path: cuBLAS (F.linear) or the skinny weight-streaming GEMM, chosen
-per (N, K, M, gelu, norm), with the skinny kernel's tile config, by a table measured on the
-running GPU at startup, never by guess.
-
-At decode batch sizes a linear layer is a pass over its weights, where cuBLAS leaves much of
-the copy bandwidth unused; the skinny kernel also fuses bias and GELU, and for the block's
-pre-norm linears (QKV, FC) the residual add and LayerNorm before them, into one launch.
-References: `engine.worker.layers.linear` and `engine.worker.layers.add_norm_linear`.
+per (N, K, M, gelu, norm), with its tile config, by a table measured on the running GPU at
+startup. The skinny kernel fuses bias and GELU, and for the pre-norm linears (QKV, FC) the
+residual add and LayerNorm, into one launch. References: `engine.worker.layers.linear` and
+`engine.worker.layers.add_norm_linear`.
 """
 from __future__ import annotations
 
@@ -35,8 +32,7 @@ SkinnyWins = Mapping[ShapeKey, TileConfig]
 
 class LinearDispatch:
     """Callable as `linear(x, weight, bias, gelu=False)`, with `add_norm_linear` beside it;
-    `skinny_wins` maps the shapes where the skinny kernel measured faster to the tile config
-    that did (empty: never)."""
+    `skinny_wins`: shape -> the skinny tile config that beat cuBLAS (empty: never)."""
 
     def __init__(self, skinny_wins: SkinnyWins | None = None):
         self.skinny_wins = skinny_wins or {}
@@ -64,10 +60,9 @@ class LinearDispatch:
 
 def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],
                         dtype: torch.dtype, device: torch.device) -> dict[ShapeKey, TileConfig]:
-    """For each (N, K, gelu, norm) and batch size M <= MAX_M, time the skinny kernel in each
-    candidate tile config against the unfused path (cuBLAS, plus the add + LayerNorm kernel
-    for norm shapes) inside CUDA graphs (launch overhead excluded, as in a captured decode
-    step), weights rotated so they stream from memory as in a real step."""
+    """For each (N, K, gelu, norm) and M <= MAX_M, time each candidate tile config against
+    the unfused path inside CUDA graphs (as a captured decode step), weights rotated so they
+    stream from memory as in a real step."""
     compile_candidates(shapes, batch_sizes, dtype, device)
     wins = {}
     for n, k, gelu, norm in shapes:
@@ -95,11 +90,9 @@ def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: 
 def compile_candidates(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],
                        dtype: torch.dtype, device: torch.device,
                        candidates: tuple[TileConfig, ...] = TILE_CANDIDATES) -> None:
-    """Compile every candidate variant that measure_skinny_wins times, up front and in a
-    thread pool: one at a time they take most of a cold start,
-    and Triton compiles mostly outside the GIL (its native passes, LLVM, ptxas). Needs
-    triton.AsyncCompileMode with ignore_errors (Triton 3.6 has it), else the variants compile
-    one by one as they are timed; a variant that fails here fails again, loudly, when timed."""
+    """Compile every variant measure_skinny_wins times, up front in a thread pool (Triton
+    compiles mostly outside the GIL). Needs triton.AsyncCompileMode with ignore_errors, else
+    they compile one by one as timed; a variant failing here fails again, loudly, when timed."""
     async_compile = getattr(triton, "AsyncCompileMode", None)
     if async_compile is None or "ignore_errors" not in inspect.signature(async_compile).parameters:
         log.info("this Triton has no AsyncCompileMode(ignore_errors): the skinny GEMM "

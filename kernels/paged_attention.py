@@ -1,9 +1,8 @@
 """Paged attention over the block-table KV cache: a decode kernel and a varlen prefill kernel.
 
-Both walk a sequence's context in tiles of BLOCK_N token positions. A tile need not line up
-with cache blocks: each position looks up its own block id, so any power-of-two block size works
-with any tile size. Every row of a tile is one token's head vector, HEAD_DIM contiguous elements
-(128 bytes for GPT-2's fp16 head_dim 64), so a tile load is BLOCK_N fully coalesced segments.
+Both walk a sequence's context in tiles of BLOCK_N positions, each position looking up its own
+block id, so any power-of-two block size works with any tile size. A tile row is one token's
+head vector (HEAD_DIM contiguous elements), so a tile load is BLOCK_N coalesced segments.
 
     block_table  [ 7 | 2 | 9 ]                 block_size 4, BLOCK_N 8
     positions    0..3  4..7  8..11
@@ -13,38 +12,31 @@ with any tile size. Every row of a tile is one token's head vector, HEAD_DIM con
 Softmax is online (running max m, running sum l, rescaled accumulator) in fp32, in base 2 with
 log2(e) folded into the scale, so no [queries x context] score matrix ever reaches memory.
 
-Decode (one query per sequence) is memory bound: it must stream the whole K/V context once.
-Grid (seq, head, split). With few sequences, seq x head programs cannot fill the GPU, so the
-context is cut into `splits` equal ranges (flash-decoding); each program writes its partial
-(acc / l, log2-sum-exp) and the last split to finish merges them, in the same launch
+Decode (one query per sequence) is memory bound. Grid (seq, head, split): with few sequences
+the context is cut into `splits` equal ranges (flash-decoding); each program writes its
+partial (acc / l, log2-sum-exp) and the last split to finish merges them in the same launch
 (kernels/arrival_counters.py):
 
     seq s, head h:  | split 0 | split 1 | split 2 |  -> partial (o_i, lse_i) each
                     out = sum_i 2^(lse_i - max lse) o_i / sum_i 2^(lse_i - max lse)
 
-Prefill (many queries per sequence, varlen) is FlashAttention-style: a program holds BLOCK_M
-queries of one sequence and walks the context with tl.dot. The grid is (tile, head), the q
-tiles numbered sequence after sequence; each program finds its (sequence, q tile) from the
-query lengths, so a batch of one long prompt and many one-token decodes launches about
-tokens / BLOCK_M + sequences programs per head, not the longest query's tiles for every
-sequence. The grid depends only on the tensors' shapes, so a CUDA graph can capture it:
+Prefill (varlen) is FlashAttention-style: a program holds BLOCK_M queries of one sequence and
+walks the context with tl.dot. Grid (tile, head), q tiles numbered sequence after sequence;
+each program finds its (sequence, q tile) from the query lengths, so about tokens / BLOCK_M +
+sequences programs run per head. The grid depends only on shapes (CUDA graphs capture it):
 
     q lens   [130, 1, 1, 70]       BLOCK_M 64
     tiles    [  3, 1, 1,  2]       programs 0-2: seq 0; 3: seq 1; 4: seq 2; 5-6: seq 3;
                                    7.. (the grid's bound, ceil(202 / 64) + 4 = 8): exit
 
-A step of at most SHORT_Q_TILE tokens (a one-stream speculative verification) would leave
-its few programs walking the whole context one tile after another, so its grid gains a third
-axis, splits of the keys, whose partials the last split to finish merges, as decode's do.
-Such a step also stores its own K/V in the kernel, as decode does: each sequence has one q
-tile, its queries are its new tokens, so every cached key is visible to all of them and the
-new keys make one more tile, read from the step's K/V (never a slot another program
-is writing) and stored by the program whose split holds them.
+A step of at most SHORT_Q_TILE tokens (a one-stream verification) also splits its keys, as
+decode does, so its few programs do not walk the context serially; and it stores its own K/V
+in the kernel: one q tile a sequence, every cached key visible to all its queries, the new
+keys one more tile read from the step's K/V and stored by the program whose split holds them.
 
-Query j of a sequence sits at position seq_len - q_len + j (the cached prefix comes first), so
-the same kernel serves a whole prompt, a prefix-cache hit, a chunk from the middle of a prompt
-and a k+1-token speculative verification. Tiles wholly before the q tile's first position skip
-the causal mask:
+Query j of a sequence sits at position seq_len - q_len + j (the cached prefix first), so one
+kernel serves whole prompts, prefix-cache hits, mid-prompt chunks and verifications. Tiles
+wholly before the q tile's first position skip the causal mask:
 
     keys ->     0 ............ prefix ........ seq_len
     q tile      [ unmasked tiles  ][ masked (diagonal) ]   stop at the tile's last query + 1
@@ -63,24 +55,20 @@ from kernels.pdl import pdl_options, pdl_prologue
 from kernels.store_kv import store_kv
 
 LOG2E = 1.4426950408889634
-# Tuning knobs, module-level so scripts/bench_kernels.py --sweep can try others.
-DECODE_BLOCK_N = 32  # the best of scripts/bench_kernels.py --sweep
+# tuning knobs, module-level so scripts/bench_kernels.py --sweep can try others
+DECODE_BLOCK_N = 32
 DECODE_NUM_WARPS = 4
 DECODE_PROGRAMS_PER_SM = 4  # split until about this many programs per SM
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
-# q tiles of at most 16 queries (a speculative verification): a handful of programs walk the
-# context serially, so wider key tiles and a deeper pipeline win (scripts/
-# sweep_verify_attention.py measures them)
+# q tiles of at most 16 queries: few programs walk the context, so wider key tiles and a
+# deeper pipeline pay (scripts/sweep_verify_attention.py)
 SHORT_Q_TILE = 16
 SHORT_Q_BLOCK_N = 128
 SHORT_Q_NUM_STAGES = 3
-# a step of at most one short q tile of tokens (a one-stream verification) also splits its
-# keys, every SHORT_Q_SPLIT_LEN positions of the block tables' width, as decode does:
-# otherwise its few programs walk the whole context one after another
-SHORT_Q_SPLIT_LEN = 256
+SHORT_Q_SPLIT_LEN = 256  # a short step's key split: this many positions of the table width
 
 
 @triton.jit
@@ -116,9 +104,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     last = seq_len - 1  # the new token's position
     if FUSE_STORE:
-        # the new token's K/V come from registers, not the cache; the one program whose range
-        # holds `last` also stores them (unless the row is padding), so no program reads a
-        # slot another program writes
+        # the new K/V come from registers; the program whose range holds `last` stores them
+        # (unless padding), so no program reads a slot another writes
         new_off = seq * stride_nb + head * stride_nh + dims
         k_new = tl.load(k_new_ptr + new_off)
         v_new = tl.load(v_new_ptr + new_off)
@@ -202,11 +189,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_seq_len: int | None = None,
                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                            ) -> torch.Tensor:
-    """q: [B, H, D], one query token per sequence, attending to its seq_lens[b] cached tokens.
+    """q: [B, H, D], one query per sequence, attending to its seq_lens[b] cached tokens.
     Without new_kv the token's own K/V must already be stored; with new_kv = (k [B, H, D],
-    v [B, H, D], slot_mapping [B]) the kernel stores them itself (slot -1: not stored) and
-    reads them from registers, saving the separate store_kv launch. max_seq_len (a host int)
-    sizes the split grid; without it the block-table width bounds it (no device sync)."""
+    v [B, H, D], slot_mapping [B]) the kernel stores them (slot -1: not) and reads them from
+    registers. max_seq_len (a host int) sizes the split grid; default: the table width."""
     num_seqs, num_heads, head_dim = q.shape
     _check_cache(q, k_cache, v_cache)
     block_size = k_cache.shape[1]
@@ -421,14 +407,11 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                             ) -> torch.Tensor:
     """q: [T, H, D], the new tokens of all sequences concatenated (query_start_loc [S+1]);
-    each attends causally to its sequence's first seq_lens[s] cached tokens. Rows of q past
+    each attends causally to its sequence's first seq_lens[s] cached tokens. Rows past
     query_start_loc[S] (padding) are left unwritten; a sequence may have no new tokens.
-    max_query_len (a host int, an upper bound) picks the q tile size; a step of at most
-    SHORT_Q_TILE tokens also splits its keys (SHORT_Q_SPLIT_LEN).
-    Without new_kv the new tokens' K/V must already be stored. With new_kv = (k [T, H, D],
-    v [T, H, D], slot_mapping [T]) they are stored here (slot -1: not stored): in a short
-    step by the kernel itself, which reads them from k and v, not the cache (one launch
-    fewer, as decode's fused store); otherwise by store_kv first."""
+    max_query_len (a host int, an upper bound) picks the q tile size. Without new_kv the new
+    K/V must already be stored; with new_kv = (k [T, H, D], v [T, H, D], slot_mapping [T])
+    they are stored here (slot -1: not): by the kernel in a short step, else by store_kv."""
     _check_cache(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

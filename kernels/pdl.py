@@ -1,27 +1,19 @@
-"""Programmatic dependent launch (PDL, Hopper and newer): a kernel is launched while the one
-before it on the stream is still finishing, and its programs wait, first thing, until that
-kernel has finished.
-
-A captured decode step at batch 1 is ~70 short kernels. Launched with PDL, kernel N+1's
-programs may become resident as soon as every program of kernel N has started; they then
-block in `griddepcontrol.wait` until kernel N has finished and its writes are visible, so
-N+1's launch and scheduling overlap N's tail instead of following it:
+"""Programmatic dependent launch (PDL, Hopper and newer): kernel N+1's programs may become
+resident once every program of kernel N has started; they block in `griddepcontrol.wait`
+until N has finished and its writes are visible, so N+1's launch overlaps N's tail (a decode
+step is dozens of short kernels):
 
     kernel N    |==== stream weights ====|tail|
     kernel N+1        (launched, resident)|wait|==== (reads N's output) ====|
 
-What it gains is measured in docs/kernels.md.
-
 The contract every kernel launched with PDL keeps: **no read of another kernel's output and
-no write at all before the wait**, and every program reaches it (a program that returns
-early still waits first). Every kernel here calls `pdl_prologue` as its first statement. So
-a kernel finishes only after its predecessor has, and a normally launched kernel (cuBLAS,
-torch) after it still sees everything before it. CUDA-graph capture keeps these edges
-(programmatic dependencies in the graph).
+no write at all before the wait**, and every program reaches it (one that returns early still
+waits first). Every kernel here calls `pdl_prologue` as its first statement, so a kernel
+finishes only after its predecessor, and a normally launched kernel (cuBLAS, torch) after it
+still sees everything before it. CUDA-graph capture keeps these edges.
 
-A weight-streaming kernel may also ask L2 for its weights between the two (its weights are
-no kernel's output), so they arrive while the kernel before it still runs:
-`pdl_prologue_prefetching`.
+`pdl_prologue_prefetching` also asks L2 for a kernel's weights (no kernel's output) between
+the two, so they arrive while the kernel before it still runs.
 
 Set GPT2_SERVE_PDL=0 to launch normally, GPT2_SERVE_PREFETCH=0 to keep PDL but drop the
 prefetch (for A/B timings); both are off on the CPU interpreter and on GPUs before Hopper.
@@ -76,9 +68,7 @@ def pdl_prologue(USE_PDL: tl.constexpr):
 def pdl_prologue_prefetching(USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, row_ptrs,
                              row_bytes):
     """pdl_prologue, and in between (if PREFETCH) one bulk L2 prefetch of row_bytes from each
-    of row_ptrs: read-only data (weights), 16-byte aligned, row_bytes a multiple of 16. A
-    decode step's skinny GEMM waits ~2 us for the kernel before it; its 1-5 MB of weights
-    stream meanwhile instead of after (docs/kernels.md)."""
+    of row_ptrs: read-only data (weights), 16-byte aligned, row_bytes a multiple of 16."""
     _launch_dependents(USE_PDL)
     if PREFETCH:
         tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",

@@ -1,19 +1,18 @@
 """Weight-streaming GEMM for skinny activations: act(x @ W^T + b) for x with M <= 16 rows,
 optionally with the residual add and LayerNorm that precede it fused in.
 
-At small decode batches a linear layer is pure weight traffic (N*K*2 bytes for 2*M*N*K FLOPs),
-so the kernel tiles W and lets the few rows of x ride along:
+At small batches a linear is pure weight traffic, so the kernel tiles W and lets the few rows
+of x ride along:
 
     W [N, K]           program (n, s) streams rows n*BN..(n+1)*BN of W over its K range once,
     |###|###|###|      coalesced along K, pipelined through shared memory (num_stages)
     x [M <= 16, K]     all rows, padded to BLOCK_M (>= 16) columns for tl.dot
     acc [BN, BLOCK_M]  += W_tile @ x_tile^T in fp32 (W is the tensor-core M side)
 
-The tile config (BN, K step, warps, ...) comes from a table measured at startup
-(kernels/linear.py). K is split across programs towards two per SM when the tiles alone leave
-SMs idle (gpt2 c_proj: 768 rows). Each writes its fp32 partial; the last to
-arrive at the tile's counter (kernels/arrival_counters.py) sums them in split order and
-applies bias and GELU, so the whole layer is one launch.
+The tile config comes from a table measured at startup (kernels/linear.py). K is split across
+programs towards two per SM when the tiles alone leave SMs idle; each writes its fp32 partial
+and the last to arrive (kernels/arrival_counters.py) sums them in split order and applies
+bias and GELU, so the whole layer is one launch.
 
 With a norm, x is the branch output, s = x + residual, and LayerNorm(s) is folded into the dot
 in its affine form, so no program waits for row statistics before streaming W. With d = s - c
@@ -23,8 +22,7 @@ for a rough row centre c (mean of the row's first 16 elements, so nothing large 
 
 The x tile carries gamma*d for each row, then gamma and beta as two more columns; the loop
 also sums d and d^2 for mean(d) and rstd, which the epilogue applies. Programs of tile 0 write
-s, the new residual stream. The model uses this kernel only for the shapes where it measured
-faster than cuBLAS (plus the add + LayerNorm kernel) on the running GPU (kernels/linear.py).
+s, the new residual stream.
 """
 from __future__ import annotations
 
@@ -56,9 +54,7 @@ class TileConfig(NamedTuple):
     min_split_steps: int = 4
 
 
-# The tile configs the startup table tries per shape: scripts/sweep_skinny.py's winners for
-# GPT-2 small's and XL's linear shapes at M = 1, and for XL's MLP projection at M = 16 (a
-# one-stream verification step, where cuBLAS takes split-K and a reduce; docs/kernels.md)
+# the tile configs the startup table tries per shape (scripts/sweep_skinny.py picks them)
 TILE_CANDIDATES = (TileConfig(32, 256, 2, 4, 2), TileConfig(64, 256, 4, 4, 2),
                    TileConfig(16, 256, 4, 4, 2), TileConfig(32, 128, 2, 4, 1),
                    TileConfig(16, 128, 2, 4, 1))
@@ -117,10 +113,9 @@ def _norm_operands(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, offs_k, cols, M, stride_x
 @triton.jit
 def _norm_loop(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, w_rows, n_ok, cols, M, k_lo, k_hi,
                stride_xm, write_sum, acc, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The affine-form loop (see the module doc). The dot's input is computed, not loaded,
-    so the compiler does not pipeline its loads: each step loads the next step's operands
-    itself, and only the first load's latency is exposed. Returns acc and the sums of
-    d = s - centre and d^2 [BLOCK_M]; writes s to sum_ptr if write_sum."""
+    """The affine-form loop (module doc). Its dot input is computed, not loaded, so the
+    compiler does not pipeline it: each step loads the next step's operands itself. Returns
+    acc and the sums of d = s - centre and d^2 [BLOCK_M]; writes s to sum_ptr if write_sum."""
     row_ok = (cols < M)[None, :]
     centre = _row_centres(x_ptr, res_ptr, cols, M, stride_xm)
     d_lanes = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
@@ -299,11 +294,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ge
 
 
 def _prefetchable(weight: torch.Tensor) -> bool:
-    """Prefetch W where the launch is latency-bound (gpt2's linears, <= 4.7 MB: their
-    iteration -5 % on an H100), not where it streams at bandwidth (XL's, 5-20 MB: its decode
-    step +5 %, the prefetch contending with the kernel before it; docs/kernels.md). The bulk
-    prefetch needs 16-byte aligned rows (K % 16 == 0 makes every K range a multiple of 16
-    bytes)."""
+    """Prefetch W where the launch is latency-bound (small weights), not where it streams at
+    bandwidth (there the prefetch contends with the kernel before it). The bulk prefetch
+    needs 16-byte aligned rows (K % 16 == 0 makes every K range a multiple of 16 bytes)."""
     return (weight_prefetch_enabled(weight.device)
             and weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES
             and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0)
@@ -325,9 +318,8 @@ def skinny_add_norm_linear(x: torch.Tensor, norm: AddNorm, weight: torch.Tensor,
 
 def compile_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool,
                    norm: AddNorm | None, config: TileConfig) -> None:
-    """Compile the kernel variant that skinny_linear (norm None) or skinny_add_norm_linear
-    would launch for these arguments, without launching it (Triton's warmup: under
-    triton.AsyncCompileMode, in its thread pool)."""
+    """Compile, without launching, the variant skinny_linear (norm None) or
+    skinny_add_norm_linear would launch (Triton's warmup; AsyncCompileMode: its pool)."""
     _launch(x, weight, bias, gelu, norm, config, compile_only=True)
 
 

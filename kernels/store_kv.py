@@ -1,10 +1,8 @@
 """Write this step's new K/V rows into the paged cache.
 
-One program per token copies that token's whole [num_heads * head_dim] row of K and of V into
-its slot. Both rows are contiguous in the cache, and in `k`/`v` whenever heads are packed
-(the usual view of a fused QKV projection), so each program moves two unit-stride runs.
-Slot -1 marks padding: its program returns before touching the cache.
-The torch reference is `engine.worker.attention.store_kv_reference`.
+One program per token copies its [num_heads * head_dim] rows of K and V into its slot (two
+unit-stride runs when heads are packed); slot -1 (padding) returns before touching the cache.
+Reference: `engine.worker.attention.store_kv_reference`.
 """
 from __future__ import annotations
 

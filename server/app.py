@@ -255,7 +255,7 @@ async def read_json_body(request: Request, settings: ServerSettings) -> Any:
     except ClientDisconnect:  # nobody reads the answer: no traceback, no work
         raise RequestError("the client disconnected", code="client_disconnected",
                            status=499) from None
-    try:  # msgspec: ~4x the stdlib's speed on a 512-token prompt
+    try:  # msgspec: several times the stdlib's speed on a long prompt
         return msgspec.json.decode(body)
     except UnicodeDecodeError as exc:
         raise RequestError(f"the request body is not valid UTF-8: {exc.reason} at byte "

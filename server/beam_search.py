@@ -2,12 +2,10 @@
 search per prompt, each step run as one-token requests through EngineClient.generate, as
 vLLM's server runs it.
 
-`BeamSearchGeneration` has the interface of a `Generation` (server/engine_client.py): async
-iteration, `cancel`, `close`. It yields once, when every prompt's search has finished: each
-prompt's RequestOutput, whose choices are its best n beams, best first, their text and
-token ids whole (also as deltas, so a stream sends each beam as one chunk, then [DONE], as
-vLLM streams beam search). The replies of completions.py and chat.py take it as they take a
-Generation.
+`BeamSearchGeneration` has a `Generation`'s interface (async iteration, `cancel`, `close`).
+It yields once, when every search has finished: each prompt's RequestOutput, its choices the
+best n beams, best first, whole (also as deltas: a stream sends each beam as one chunk, then
+[DONE], as vLLM streams beam search).
 """
 from __future__ import annotations
 
@@ -41,11 +39,9 @@ def beam_search_params(req: CompletionRequest, prompts: list[list[int]],
 
 
 class BeamSearchGeneration:
-    """The beam searches of one HTTP request (module docstring). Creating it checks the whole
-    search's admission (its n sequences per prompt against the queue cap, prompt + max_tokens
-    against the context) and queues the first step, so that a refusal is the request's
-    400/503 before any response starts; a later step the engine refuses fails the request
-    (RequestFailed)."""
+    """The beam searches of one HTTP request. Creating it checks the whole search's
+    admission and queues the first step, so a refusal is a 400/503 before any response
+    starts; a later step the engine refuses fails the request (RequestFailed)."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, request_id: str,
                  prompts: list[list[int]], params: list[BeamSearchParams],

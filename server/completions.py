@@ -78,8 +78,8 @@ class CompletionService:
                params: SamplingParams | list[SamplingParams],
                cache_salt: str | None,
                priority: int = 0) -> tuple[Generation, asyncio.Task[None]]:
-        """Queue the prompts in the engine, with a watcher that aborts them when the client
-        goes away; `finish` ends both."""
+        """Queue the prompts, with a watcher that aborts them if the client goes away;
+        `finish` ends both."""
         generation = self.engine.generate(engine_id, prompts, params, cache_salt, priority)
         return generation, asyncio.create_task(_cancel_on_disconnect(http_request, generation))
 
@@ -142,9 +142,8 @@ class CompletionService:
         return self.tokenizer.decode([token_id])
 
 
-# Below this many characters (or token ids) tokenizing takes under half a millisecond, less
-# than a hop to a thread and back; above, it leaves the event loop (tiktoken releases the
-# GIL), so one 4 MB prompt cannot stall every stream and /health for a second.
+# characters (or token ids) below which tokenizing costs less than a hop to a thread; above,
+# it leaves the event loop (tiktoken releases the GIL), so a huge prompt stalls no stream
 INLINE_WORK = 4096
 
 

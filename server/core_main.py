@@ -86,10 +86,8 @@ def core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
 def set_cpu_threads(configured: int | None) -> int:
     """Set torch's intra-op threads for a core on CPU and return the count: `configured`
     (--num-cpu-threads), else one per core this process may run on (os.sched_getaffinity:
-    taskset and cpusets count, os.cpu_count() would not) but one, which the API server
-    streaming the tokens needs. Threads beyond the free cores make every op's barrier wait
-    for a descheduled thread: with a busy neighbour on 2 cores, 2 threads took 3x as long per
-    token as 1 (README, "On a CPU")."""
+    taskset and cpusets count) but one, which the API server streaming the tokens needs.
+    Threads beyond the free cores make every op's barrier wait for a descheduled thread."""
     import torch
 
     threads = configured or max(1, len(os.sched_getaffinity(0)) - 1)

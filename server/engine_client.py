@@ -210,13 +210,11 @@ class EngineClient:
     def generate(self, request_id: str, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams],
                  cache_salt: str | None = None, priority: int = 0) -> Generation:
-        """Queue one engine request per prompt. A request costs P prompts x n choices
-        sequences against the queue cap: 400 if it could never fit, 503 when the queue is
-        too full now or the engine is down. Input the engine cannot take is a 400.
-        Transactional: the request is counted and routed only once its message has been
-        encoded and sent; if anything before that fails, nothing of it remains.
-        `params`: every prompt's, or one each (the same n). `cache_salt`: its prefix-cache
-        tenant, `priority`: its place under the priority scheduling policy (vLLM's fields)."""
+        """Queue one engine request per prompt, costing P prompts x n sequences against the
+        queue cap: 400 if it could never fit or the engine cannot take the input, 503 when
+        the queue is full now or the engine is down. Transactional: counted and routed only
+        once its message is sent; if anything fails before, nothing of it remains. `params`:
+        every prompt's, or one each (the same n)."""
         each = params if isinstance(params, list) else [params] * len(prompts)
         self.check_admission(prompts, each)
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -241,9 +239,7 @@ class EngineClient:
         return generation
 
     def check_admission(self, prompts: list[list[int]], each: list[SamplingParams]) -> None:
-        """What generate() checks before queueing anything: the cost (prompts x n) against
-        the queue cap, the engine's health, each prompt + max_tokens against the context.
-        Raises RequestError (400 or 503)."""
+        """generate()'s checks before queueing anything; raises RequestError (400 or 503)."""
         n = each[0].n
         cost, cap = len(prompts) * n, self.max_queued_requests
         if cost > cap:
@@ -312,9 +308,8 @@ class EngineClient:
 
     # ---- messages from the core, on the event loop ----
     def _deliver(self, message: FromCore) -> None:
-        """Steps delivered together (the connection drains every message that has arrived in
-        one go) are applied together, once the batch is in: one output per request for all
-        of them. Any other message applies the steps before it first."""
+        """Steps delivered together are applied together, once the batch is in: one output
+        per request for all of them. Any other message applies the steps before it first."""
         self._last_heard = time.monotonic()
         if self._silent:
             self._silent = False

@@ -1,6 +1,6 @@
-"""The engine core in a process of its own, so that its ~1 ms step loop never waits for the
-HTTP side's per-token Python work (detokenizing, SSE, JSON) and vice versa: the parent's
-handle on it (`EngineProcess`); the child runs server/core_main.py.
+"""The engine core in a process of its own, so that its step loop never waits for the HTTP
+side's per-token Python work (detokenizing, SSE, JSON) and vice versa: the parent's handle on
+it (`EngineProcess`); the child runs server/core_main.py.
 
     API server i (uvicorn, EngineClient, CoreClient)      engine-core process (run_core_loop)
       PUSH ──AddSequences, AbortSequences, Shutdown──▶ PULL, bound at ipc://…/to_core

@@ -1,15 +1,12 @@
 """Prometheus metrics under vLLM's names (`vllm:` prefix, `model_name` label), so dashboards
 built for vLLM work unchanged.
 
-Each app owns a CollectorRegistry: several apps in one process (tests) never collide.
-Two feeds update it:
-  * `observe_request` and `observe_output` (event loop) for every request admitted and every
-    RequestOutput delivered: token counters, and the per-request histograms;
-  * `observe_stats` (engine thread) after every engine iteration: gauges, the tokens that
-    iteration scheduled, and the engine's cumulative counters turned into Prometheus
-    increments.
-`vllm:cache_config_info` is set once, from the config the engine started with.
-prometheus-client is thread-safe, so the two feeds need no lock of their own.
+Each app owns a CollectorRegistry (several apps in one process never collide), fed by:
+  * `observe_request` / `observe_output` (event loop), per admitted request and delivered
+    RequestOutput: token counters and per-request histograms;
+  * `observe_stats` (engine thread), per engine iteration: gauges, the iteration's scheduled
+    tokens, and the engine's cumulative counters as Prometheus increments.
+prometheus-client is thread-safe: the feeds need no lock of their own.
 
 With several API servers (server/api_servers.py) each process writes its values to
 PROMETHEUS_MULTIPROC_DIR and /metrics on any of them reads every process's: request counters

@@ -22,10 +22,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PromptLogprobsJob:
-    """Prompt positions of one sequence whose next-token logprobs a step reports: its new
-    tokens' rows first_row, first_row + 1, ..., one per target; target_ids[i] is the prompt
-    token that follows row first_row + i, whose logprob and rank the runner reports, with the
-    num_top likeliest tokens at that row."""
+    """Prompt positions whose next-token logprobs a step reports: new-token rows first_row + i,
+    each scored against target_ids[i] (the prompt token after it), with its num_top likeliest."""
     first_row: int
     target_ids: tuple[int, ...]
     num_top: int
@@ -44,10 +42,8 @@ class ScheduledSequence:
     num_output_tokens: int = 0  # tokens generated so far (seeded sampling, min_tokens)
     # >= 0: token_ids is [PLACEHOLDER_TOKEN], from this row of the last step's samples; -1: none
     prev_sample_row: int = -1
-    # the last num_drafts of token_ids are guesses: the runner samples at each and at the token
-    # before them, and reports the accepted ones (RunnerOutput.accepted_drafts)
+    # the last num_drafts of token_ids are guesses, sampled at and verified (accepted_drafts)
     num_drafts: int = 0
-    # prompt positions among token_ids whose logprobs this step reports (None: none)
     prompt_logprobs: PromptLogprobsJob | None = None
 
     @property
@@ -77,10 +73,8 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     step_id: int = 0  # tells Scheduler.update which schedule() these results answer
     num_draft_tokens: int = 0  # the sequences' num_drafts summed (0: a step without drafts)
-    # a request here may speculate next: apply this step before scheduling the next
-    apply_before_next: bool = False
-    # some sequence has a PromptLogprobsJob: the one flag a step without any checks
-    has_prompt_logprobs: bool = False
+    apply_before_next: bool = False  # a request here may speculate: apply before the next
+    has_prompt_logprobs: bool = False  # some sequence has a PromptLogprobsJob
 
     @property
     def num_tokens(self) -> int:
@@ -110,11 +104,9 @@ class TokenLogprobs:
 
 @dataclass(frozen=True)
 class PromptLogprobs:
-    """What one step computed for a run of prompt tokens (raw model logprobs, column-wise):
-    prompt token `first_index + i` has logprob token_logprobs[i] given the tokens before it,
-    and rank ranks[i] (how many tokens are at least as likely, itself included: 1 is the
-    likeliest), and top_token_ids[i] / top_logprobs[i] are the likeliest tokens at its
-    position, most likely first. Prompt token 0 never has any: nothing precedes it."""
+    """Raw model logprobs of a run of prompt tokens, column-wise: prompt token first_index + i
+    has token_logprobs[i], rank ranks[i] (tokens at least as likely, itself included: 1 is the
+    likeliest) and its position's top tokens, likeliest first. Token 0 never has any."""
     first_index: int
     token_logprobs: list[float]
     ranks: list[int]
@@ -130,7 +122,5 @@ class RunnerOutput:
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
-    # the leading drafts the target accepted, per sequence; empty: the step had no drafts
-    accepted_drafts: list[list[int]] = field(default_factory=list)
-    # request id -> its PromptLogprobsJob's results, for every sequence that had one
-    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    accepted_drafts: list[list[int]] = field(default_factory=list)  # per sequence; []: none
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # by request id

@@ -22,8 +22,8 @@ _ROOT_KEY: BlockKey = b""
 
 
 def _root_key(cache_salt: str | None) -> BlockKey:
-    """The chain's root: empty without a salt. The tag keeps a salted root's hash input apart
-    from any block's tokens (b"cache_sa" read as an int64 is no token id)."""
+    """Empty without a salt; the tag keeps a salted root's hash input apart from any block's
+    tokens (b"cache_sa" as an int64 is no token id)."""
     if cache_salt is None:
         return _ROOT_KEY
     return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
@@ -43,8 +43,7 @@ class Block:
 
 @dataclass
 class _RequestBlocks:
-    # a tuple, replaced as the table grows: a step's description holds it without a copy
-    block_ids: tuple[int, ...] = ()
+    block_ids: tuple[int, ...] = ()  # a tuple, replaced on growth: steps hold it uncopied
     keys: list[BlockKey] = field(default_factory=list)  # keys of the leading full blocks
     root: BlockKey = _ROOT_KEY  # the parent of keys[0]
 
@@ -128,7 +127,7 @@ class BlockManager:
         """Make the request's table cover num_tokens. False, changing nothing, if out of blocks."""
         entry = self._requests[request_id]
         if num_tokens <= len(entry.block_ids) * self.block_size:
-            return True  # the common decode step: the last block still has room
+            return True
         fresh = self.blocks_needed(num_tokens) - len(entry.block_ids)
         if fresh > self.num_free_blocks:
             return False
@@ -194,7 +193,7 @@ class BlockManager:
         return block_id
 
     def check_invariants(self) -> None:
-        """Assert the bookkeeping is consistent; cheap enough to call after every step in tests."""
+        """Assert the bookkeeping is consistent (cheap: tests call it after every step)."""
         refs = [0] * self.num_blocks
         for entry in self._requests.values():
             for block_id in entry.block_ids:

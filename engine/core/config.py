@@ -34,10 +34,8 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda when available
     attention_backend: str = "auto"  # auto: triton on cuda, torch on cpu
     enforce_eager: bool = False  # turn CUDA graphs off
-    # also capture steps with prompt tokens; off: they run eagerly
-    mixed_step_graphs: bool = True
-    # reuse startup's GPU measurements across restarts (engine/worker/startup.py)
-    startup_cache: bool = True
+    mixed_step_graphs: bool = True  # also capture steps with prompt tokens; off: eager
+    startup_cache: bool = True  # reuse startup's GPU measurements (engine/worker/startup.py)
     seed: int = 0
     # torch threads of the engine core on CPU; None: the usable cores less one (the API server's)
     num_cpu_threads: int | None = None
@@ -77,10 +75,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running requests at once
     max_num_batched_tokens: int = 2048  # token budget of one forward pass
     max_model_len: int = MAX_CONTEXT  # prompt + output tokens of one request
-    # schedule step N+1 while step N runs (LLMEngine.step); off: each step is waited for
-    async_scheduling: bool = True
-    # vLLM's: fcfs, or priority (requests' `priority`, lower first; see Scheduler)
-    scheduling_policy: str = "fcfs"
+    async_scheduling: bool = True  # schedule step N+1 while step N runs; off: wait for each
+    scheduling_policy: str = "fcfs"  # vLLM's: fcfs, or priority (lower `priority` first)
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
@@ -113,8 +109,7 @@ class SpeculativeConfig:
     model: str | None = None  # the draft's HF hub id or local directory (draft_model only)
     prompt_lookup_max: int | None = None  # longest n-gram matched (ngram only)
     prompt_lookup_min: int | None = None  # shortest n-gram matched (ngram only)
-    # true: on a GPU, speculate only where startup's step times say it pays (switch.py);
-    # false: every step drafts up to num_speculative_tokens
+    # true: on a GPU, speculate only where startup's step times say it pays (switch.py)
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -175,7 +170,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.speculative is not None:
-            # a speculating request's step holds its k drafts and the token before them
             k = self.speculative.num_speculative_tokens
             budget = self.scheduler.max_num_batched_tokens
             _spec_check(k + 1 <= budget, "num_speculative_tokens", k,
@@ -210,8 +204,7 @@ class EngineConfig:
 
 
 def _approx_parameters(hf: dict[str, Any]) -> int:
-    """GPT-2's weights, biases aside: embeddings, and per layer attention (4 d^2) and MLP
-    (2 d n_inner, n_inner 4d unless the config says otherwise)."""
+    """GPT-2's weights, biases aside: embeddings, per layer attention (4 d^2) and MLP."""
     d = hf["n_embd"]
     inner = hf.get("n_inner") or 4 * d
     per_layer = 4 * d * d + 2 * d * inner
@@ -220,8 +213,7 @@ def _approx_parameters(hf: dict[str, Any]) -> int:
 
 def check_draft_model(target: dict[str, Any], draft: dict[str, Any]) -> None:
     """Raise ConfigError unless the draft (an HF config.json dict) shares the target's
-    vocabulary, reaches its positions and is no larger (equal size is allowed: tests draft
-    with the target itself)."""
+    vocabulary, reaches its positions and is no larger (equal: tests draft with the target)."""
     _check(draft["vocab_size"] == target["vocab_size"], "speculative_config.model",
            f"vocab_size {draft['vocab_size']}",
            f"the draft's vocabulary must be the target's ({target['vocab_size']})")

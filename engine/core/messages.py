@@ -24,10 +24,9 @@ class CoreRequest(msgspec.Struct, array_like=True, gc=False):
 
 
 class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
-    """What one step did to one sequence: the tokens it appended (more than one when it
-    finishes after deferring them, see EngineCore) with their times, the prompt logprobs it
-    computed, and its end if it ended. Times are time.monotonic(), one clock for every process
-    of a host."""
+    """What one step did to one sequence: tokens appended (several when it finishes after
+    deferring them, see EngineCore) with their times, prompt logprobs, and its end if it
+    ended. Times are time.monotonic(): one clock for every process of a host."""
     seq_id: str
     new_token_ids: list[int]
     new_token_times: list[float]
@@ -41,8 +40,7 @@ class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
 
 
 class SpecCounts(msgspec.Struct, array_like=True, gc=False):
-    """Speculative decoding's cumulative counters (engine/speculative/stats.py has their
-    meaning)."""
+    """Speculative decoding's cumulative counters (meaning: engine/speculative/stats.py)."""
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -65,8 +63,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     num_free_blocks: int
     num_total_blocks: int
     spec: SpecCounts | None = None  # None: the engine does not speculate
-    # tokens of the step scheduled by the step() this follows (0: none, the core was idle);
-    # every scheduled step is counted in exactly one StepOutput
+    # tokens of the step the last step() scheduled (0: idle); each step counted exactly once
     num_scheduled_tokens: int = 0
 
 
@@ -82,8 +79,7 @@ class CoreFailed(msgspec.Struct, array_like=True, tag=True):
 
 
 class SequenceFailed(msgspec.Struct, array_like=True, tag=True):
-    """The core could not take this sequence (a bug, not the client's input: the frontend
-    checks the input before sending it)."""
+    """The core could not take this sequence: a bug (the frontend checks the input first)."""
     seq_id: str
     message: str
 

@@ -39,9 +39,9 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """vLLM's structured outputs: exactly one constraint, which every generated token keeps
-    satisfiable (engine/structured/). `json` is a JSON schema, kept as its canonical JSON text
-    so equal schemas share one compiled grammar; `grammar` is EBNF (xgrammar's dialect)."""
+    """vLLM's structured outputs: exactly one constraint, kept satisfiable by every token.
+    `json`: a schema as canonical JSON text (equal schemas share one compiled grammar);
+    `grammar`: EBNF (xgrammar's dialect)."""
     json: str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
@@ -95,8 +95,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-k logprobs per generated token, up to 20
-    # vLLM's: the logprob of every prompt token after the first, with the top-k at its
-    # position, up to 20 (None: none computed)
+    # vLLM's: every prompt token's logprob after the first, with its top-k (<= 20); None: off
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     # None: every token; else only these may be sampled (vLLM's allowed_token_ids)
@@ -105,12 +104,10 @@ class SamplingParams:
     # the output so far (a one-token word is banned everywhere)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # "stream": an output every step with new text, cumulative fields included; "delta": the
-    # same, but an unfinished choice's cumulative fields stay empty (the server: it streams
-    # the deltas, and copying whole histories every step cost it a third of its CPU);
-    # "final_only": one output when the request finishes (offline batch generation)
+    # same, but an unfinished choice's cumulative fields stay empty (the server streams deltas
+    # and need not copy whole histories every step); "final_only": one output at the end
     output_kind: str = "stream"
-    # every token keeps this constraint satisfiable; None: free text
-    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # None: free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -186,8 +183,8 @@ class SamplingParams:
 
     @functools.cached_property
     def stop_token_set(self) -> frozenset[int]:
-        """Tokens that end a sequence once min_tokens are out: stop_token_ids, and EOS unless
-        ignore_eos. Cached: checked per sequence per step."""
+        """stop_token_ids, plus EOS unless ignore_eos; they end a sequence once min_tokens
+        are out."""
         eos = () if self.ignore_eos else (EOS_TOKEN_ID,)
         return frozenset(self.stop_token_ids + eos)
 
@@ -195,8 +192,7 @@ class SamplingParams:
     def draws_from_raw_logits(self) -> bool:
         """Only the temperature stands between the raw logits and the token (greedy: their
         argmax): no logit bias, token masks, penalties, top-k/top-p/min-p or logprobs
-        (min_tokens aside, which depends on the tokens so far; structured outputs aside, whose
-        mask depends on them too). Cached: checked per sequence per step."""
+        (min_tokens and structured outputs aside: they depend on the tokens so far)."""
         return (self.logprobs is None and not self.logit_bias and not self.needs_penalties
                 and self.allowed_token_ids is None and not self.bad_words_token_ids
                 and self.top_k <= 0 and self.top_p == 1.0 and self.min_p == 0.0)
@@ -204,8 +200,8 @@ class SamplingParams:
 
 @dataclass(eq=False)
 class Request:
-    """One sequence being generated. Owned and mutated by the scheduler only. Compared by
-    identity (eq=False): a field-by-field __eq__ would make every list lookup cost O(tokens)."""
+    """One sequence being generated; owned and mutated by the scheduler only. eq=False:
+    compared by identity, so a list lookup is not O(tokens)."""
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -219,17 +215,15 @@ class Request:
     num_pending_tokens: int = 0
     num_pending_samples: int = 0  # 0 or 1: that step samples this request's next token
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission
-    # prompt positions 0.. whose next-token logprobs an applied step reported (prompt_logprobs
-    # requests only): each position is reported once, whatever preemptions recompute
+    # prompt positions whose logprobs were reported: each once, whatever preemptions recompute
     num_prompt_logprobs_done: int = 0
     num_preemptions: int = 0
-    # timestamps (time.monotonic seconds)
-    first_scheduled_time: float | None = None
+    first_scheduled_time: float | None = None  # timestamps: time.monotonic() seconds
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # counts of the token lists, kept by append_output_token: read several times per step
+    # kept by append_output_token: read several times per step
     num_output_tokens: int = field(init=False)
     num_tokens: int = field(init=False)
 
@@ -238,7 +232,7 @@ class Request:
         self.num_tokens = len(self.prompt_token_ids) + self.num_output_tokens
 
     def append_output_token(self, token: int) -> None:
-        """How a token joins output_token_ids (the prompt never changes): keeps the counts."""
+        """The only way a token joins output_token_ids: keeps the counts."""
         self.output_token_ids.append(token)
         self.num_output_tokens += 1
         self.num_tokens += 1

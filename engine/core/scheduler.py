@@ -2,29 +2,26 @@
 
 Each step, `schedule()`:
   1. gives running requests, in order, their next tokens (a decode token or the next prompt
-     chunk). When blocks run out, the last running request is preempted: its blocks are freed
-     and it is requeued, to be recomputed from prompt + output so far.
-  2. admits waiting requests in queue order while budget, sequence slots and blocks allow;
-     each starts after its longest cached prefix, unless it still needs prompt logprobs
-     (they need every prompt position's logits): then it computes its prompt from the start.
+     chunk). When blocks run out, the last running request is preempted: blocks freed,
+     requeued, recomputed later from prompt + output so far.
+  2. admits waiting requests in queue order while budget, sequence slots and blocks allow,
+     each after its longest cached prefix (from the start if it needs prompt logprobs).
 
-The queue order is the scheduling policy: fcfs (arrival order; a preempted request goes back
-to the front) or priority ((priority, arrival_time), lower first). `running` is kept in the
-same order, so its last request is the one preempted first.
+Queue order is the policy: fcfs (arrival; a preempted request goes back to the front) or
+priority ((priority, arrival_time), lower first). `running` keeps the same order, so its last
+request is preempted first.
 
-`update()` applies a step's sampled tokens and checks EOS, stop token ids, max_tokens and the
-context length; stop strings are finished by the engine through `finish()`.
-
-Prompt logprobs: each prompt chunk names the positions whose logprobs the runner reports
-(`PromptLogprobsJob`); `num_prompt_logprobs_done` keeps a recompute after a preemption from
-reporting any twice. A request with max_tokens 0 samples nothing and ends with its prompt.
+`update()` applies sampled tokens and checks EOS, stop token ids, max_tokens and the context
+length; the engine finishes stop strings through `finish()`. A request with max_tokens 0
+samples nothing and ends with its prompt; `num_prompt_logprobs_done` keeps a recompute from
+reporting a prompt position twice.
 
 Steps may be scheduled one ahead: a request whose next token step N samples gets a
-PLACEHOLDER_TOKEN in step N+1, with the row of N's samples it comes from (`prev_sample_row`).
-It runs ahead only if that token cannot end it by length, no penalty needs it, and it may not
-speculate; if the token ends it anyway, update drops step N+1's work for it. A request that
-may speculate waits instead, and `apply_before_next` tells EngineCore to apply step N before
-scheduling N+1. Drafts and the draft model's lookahead blocks: docs/speculative.md, 3, 4, 8.
+PLACEHOLDER_TOKEN in step N+1 (`prev_sample_row`: its row in N's samples), only if that token
+cannot end it by length, no penalty needs it, and it may not speculate; if the token ends it
+anyway, update drops N+1's work for it. A request that may speculate waits instead, and
+`apply_before_next` tells EngineCore to apply N before scheduling N+1. Drafts and lookahead
+blocks: docs/speculative.md, 3, 4, 8.
 """
 from __future__ import annotations
 
@@ -63,8 +60,8 @@ class Speculator(Protocol):
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
                pool_tokens: int) -> None:
-    """The one home of the rule a request must meet to be scheduled at all (the server checks
-    it before sending a request to the engine core). Raises ValueError saying why not."""
+    """The one rule a request must meet to be scheduled at all (the server checks it before
+    sending); raises ValueError saying why not."""
     if num_prompt_tokens == 0:
         raise ValueError("prompt is empty: it must hold at least one token")
     need = num_prompt_tokens + max_tokens
@@ -79,8 +76,8 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
 
 
 class WaitingQueue:
-    """FCFS queue of requests with O(1) append, push to the front, pop, and removal by id
-    (an abort of one of 100k queued requests must not scan the queue)."""
+    """FCFS queue with O(1) append, push to the front, pop, and removal by id (an abort must
+    not scan a long queue)."""
 
     def __init__(self) -> None:
         self._requests: OrderedDict[str, Request] = OrderedDict()
@@ -109,7 +106,7 @@ class WaitingQueue:
 
 
 def priority_key(request: Request) -> tuple[int, float]:
-    """The priority policy's order: lower priority value first, then earlier arrival."""
+    """The priority policy's order: lower priority value first, then arrival_time."""
     return request.priority, request.arrival_time
 
 
@@ -174,8 +171,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.speculator = speculator
-        # (request, new tokens, its drafts among them) of the schedule() under way, in order
-        self._scheduled: list[tuple[Request, int, list[int]]] = []
+        self._scheduled: list[tuple[Request, int, list[int]]] = []  # (request, new, drafts)
         self._step_id = 0
         self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
         self._sample_rows: dict[str, int] = {}  # request id -> its row in the last step's samples
@@ -264,9 +260,8 @@ class Scheduler:
                                has_prompt_logprobs=prompt_logprobs)
 
     def _may_run_ahead(self, request: Request) -> bool:
-        """With its next token still pending, a request runs ahead only if that token cannot
-        end it by length, nothing in this step needs its value (penalties, bad words), and it
-        would not rather wait for it and speculate."""
+        """Its pending token cannot end it by length, this step need not read it (penalties,
+        bad words), and it would not rather wait and speculate."""
         ahead = request.num_pending_samples
         return (request.num_output_tokens + ahead < request.params.max_tokens
                 and request.num_tokens + ahead < self.config.max_model_len
@@ -377,8 +372,8 @@ class Scheduler:
     def _prompt_logprobs_job(request: Request, start: int, end: int) -> PromptLogprobsJob | None:
         """The prompt positions in [start, end) whose logprobs are still to be reported: those
         with a prompt token after them, past the ones reported already (a recompute after a
-        preemption reports nothing twice). Earlier chunks still in flight reported up to
-        `start`, unless preempted, when their results are dropped."""
+        preemption reports nothing twice). Chunks still in flight report up to `start`, unless
+        preempted, when their results are dropped."""
         prompt = request.prompt_token_ids
         first = max(start, request.num_prompt_logprobs_done)
         stop = min(end, len(prompt) - 1)
@@ -451,7 +446,7 @@ class Scheduler:
                                   self._with_lookahead(request.num_computed_tokens))
 
     def _cache_full_blocks(self, request: Request) -> None:
-        """Offer newly filled blocks to the prefix cache; call only past a block boundary."""
+        """Call only past a block boundary."""
         self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids,
                                              request.num_computed_tokens)
 

@@ -15,11 +15,9 @@ from engine.output.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:
-    """`final_only`: nobody reads text before the end and no stop string needs matching, so
-    tokens are decoded once, in bulk, when the sequence ends (far cheaper per token).
-    As in vLLM, stop strings are matched only once more than `min_tokens` tokens are out (one
-    that ended before does not count), and `include_stop` keeps the stop string that ended
-    the text in it."""
+    """`final_only` without stop strings: tokens are decoded once, in bulk, at the end. As in
+    vLLM, stop strings match only once more than `min_tokens` tokens are out, and
+    `include_stop` keeps the one that ended the text in it."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...],
                  final_only: bool = False, min_tokens: int = 0,
@@ -55,7 +53,7 @@ class TextStream:
         piece = "" if token_id == EOS_TOKEN_ID else self._detokenizer.add(token_id)
         if final:
             piece += self._detokenizer.flush()
-        if not self._stop:  # nothing to match or hold back
+        if not self._stop:
             self.text += piece
             return piece
         return self._emit(self._pending + piece, final)
@@ -85,9 +83,7 @@ def stop_strings(stop: tuple[str, ...]) -> StopStrings:
 
 class StopStrings:
     """A request's stop strings, with the lengths of those ending in each character (longest
-    first). A stop string found in a token's text must end in it, so each new character costs
-    one set lookup per distinct length of the stop strings ending with that character, however
-    many stop strings there are."""
+    first): each new character costs one set lookup per such length, however many strings."""
 
     def __init__(self, stop: tuple[str, ...]) -> None:
         self._strings = frozenset(stop)

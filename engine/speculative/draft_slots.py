@@ -1,9 +1,6 @@
-"""The draft_model method's proposer on the scheduler's side: it reserves draft slots only.
-
-The draft model runs on the device, batched over a step's speculating sequences, after the
-step is scheduled and before the target verifies it (`Drafter.fill`, engine/worker/
-drafter.py). So in the scheduler a speculating request's step just holds k slots after its
-last token, which the drafter fills in:
+"""The draft_model method's proposer on the scheduler's side: it only reserves k slots after
+a speculating request's last token, which the draft model fills on the device (`Drafter.fill`)
+between scheduling and verification:
 
     schedule():  [t19, UNFILLED_DRAFT x 4]   ─▶   Drafter.fill():  [t19, d1, d2, d3, d4]
 """

@@ -2,18 +2,17 @@
 output so far), guess that what followed them then follows now.
 
     tokens   ... the cat sat on the mat . the cat | ?       last 2 tokens: "the cat"
-                 ^^^^^^^ most recent earlier match   proposal: "sat on the mat" (k = 4)
+                 ^^^^^^^ most recent prior match     proposal: "sat on the mat" (k = 4)
 
-n goes from prompt_lookup_max down to prompt_lookup_min; the first n with a match wins, and
-the most recent occurrence of that n-gram supplies the proposal. A match close to the end
-has fewer than k tokens after it; the copy then goes on through the tokens it is proposing
-(as an LZ77 copy overlaps itself), so a request caught in a loop gets k drafts of the loop:
+n goes from prompt_lookup_max down to prompt_lookup_min; the first n with a match wins, its
+most recent occurrence supplies the proposal. A match near the end copies on through its own
+proposal (as LZ77 overlaps), so a request caught in a loop gets k drafts of the loop:
 
     tokens   ... 7 8 9 7 8 | ?        last 2: "7 8", latest match ends 2 back
     proposal     9 7 8 9              (k = 4: 9, then the proposal's own 7 8 9)
 
-Each request keeps an index (n-gram -> end of its latest occurrence with a token after it),
-so a step costs O((max - min + 1) * max) per request whatever the context length.
+A per-request index (n-gram -> end of its latest occurrence with a token after it) makes a
+step O((max - min + 1) * max) per request, whatever the context length.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The one interface every proposer meets, and what it sees of a request.
-
-Proposers run in the scheduler while it builds a step (a speculating request's tokens are
-all known then); `DraftSlots` only reserves slots that the draft model fills on the device.
+"""The one interface every proposer meets, and what it sees of a request. Proposers run in
+the scheduler while it builds a step (a speculating request's tokens are all known then).
 Drafts must be deterministic (one-hot q): that keeps `accept_drawn` exact.
 """
 from __future__ import annotations
@@ -14,8 +12,8 @@ from engine.core.request import Request
 
 @dataclass(frozen=True, slots=True)
 class DraftContext:
-    """A read-only view of one request at schedule time. The token lists are the request's
-    own (not copies): a proposer reads what it needs, so a step costs O(new tokens)."""
+    """A read-only view of one request at schedule time; its token lists are the request's
+    own, not copies, so a step costs O(new tokens)."""
     request_id: str
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
@@ -23,8 +21,6 @@ class DraftContext:
 
     @classmethod
     def of(cls, request: Request, k: int, max_model_len: int) -> DraftContext:
-        """The request at schedule time (all its tokens known), with k cut so that its
-        accepted drafts plus the step's next token fit max_tokens and the context."""
         room = min(request.params.max_tokens - request.num_output_tokens,
                    max_model_len - request.num_tokens) - 1
         return cls(request.request_id, request.prompt_token_ids, request.output_token_ids,
@@ -35,7 +31,7 @@ class DraftContext:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Tokens at positions [start, end) of prompt + output, slicing each list once."""
+        """Tokens at positions [start, end) of prompt + output."""
         num_prompt = len(self.prompt_token_ids)
         return (list(self.prompt_token_ids[start:min(end, num_prompt)])
                 + list(self.output_token_ids[max(start - num_prompt, 0):

@@ -21,10 +21,8 @@ from engine.speculative.switch import SpeculationSwitch, StepTimes
 class Speculator:
     def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int,
                  switch: SpeculationSwitch | None = None, lookahead: int = 0) -> None:
-        """`switch` None: every step drafts up to num_speculative_tokens. `lookahead`: the
-        positions past a verification whose blocks a speculating request keeps, for a
-        draft model that drafts the next step before the scheduler has seen this one's
-        result (`Drafter.draft_ahead`)."""
+        """`switch` None: every step drafts up to k. `lookahead`: positions past a
+        verification whose blocks a speculating request keeps (`Drafter.draft_ahead`)."""
         self.proposer = proposer
         self.max_k = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -34,7 +32,6 @@ class Speculator:
         self.k = num_speculative_tokens if switch is None else 0  # this step's draft length
 
     def begin_step(self, batch_size: int) -> int:
-        """The draft length for a step with batch_size requests running."""
         self.k = self.max_k if self.switch is None else min(self.switch.choose(batch_size),
                                                             self.max_k)
         return self.k
@@ -72,10 +69,8 @@ class Speculator:
 
 
 def build_speculator(config: EngineConfig, times: StepTimes | None) -> Speculator | None:
-    """The speculator config.speculative asks for (None: off): the n-gram proposer, or draft
-    slots that the runner's draft model fills in, with k positions of lookahead for it to
-    draft the next step into. The switch-off decides per step from `times` (the runner's,
-    measured at startup); without them every step speculates."""
+    """The speculator config.speculative asks for (None: off). The switch-off decides per
+    step from `times`; without them every step speculates."""
     spec = config.speculative
     if spec is None:
         return None

@@ -1,5 +1,5 @@
 """Adaptive switch-off: speculate only where it pays, judged from step times measured at
-startup, not from a guess. With B requests decoding, per request and second:
+startup. With B requests decoding, tokens per request and second:
 
     plain         1 / T(B)                       T: a decode step
     speculating   E(a, k) / S(B, k)              S: propose + verify (k + 1 tokens per row)
@@ -23,8 +23,8 @@ def expected_tokens(acceptance_rate: float, k: int) -> float:
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Seconds per step measured at startup, one entry per batch size (ascending, up to
-    max_num_seqs); in between, linear interpolation."""
+    """Seconds per step, one entry per batch size (ascending, up to max_num_seqs); linear
+    interpolation in between."""
     batch_sizes: tuple[int, ...]
     plain: tuple[float, ...]  # T(B)
     speculative: dict[int, tuple[float, ...]]  # k -> S(B, k): propose k, verify k + 1
@@ -42,8 +42,7 @@ class StepTimes:
                              f"{sorted(self.speculative)}")
 
     def at(self, series: tuple[float, ...], batch_size: int) -> float:
-        """The series at batch_size, interpolated; held constant outside the measured range
-        (which covers every batch the scheduler can form)."""
+        """The series at batch_size, interpolated; constant outside the measured range."""
         sizes = self.batch_sizes
         i = bisect_left(sizes, batch_size)
         if i == 0 or i == len(sizes):
@@ -101,7 +100,7 @@ class SpeculationSwitch:
         self.hysteresis = hysteresis  # a switch needs a margin this large: no flapping
         self.acceptance = acceptance or AcceptanceEstimate()
         self.probe_every = probe_every
-        self.k = 0  # off until speculation wins by the margin
+        self.k = 0
         self._steps_off = 0
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
@@ -109,8 +108,8 @@ class SpeculationSwitch:
             self.acceptance.observe(num_drafts, num_accepted)
 
     def choose(self, batch_size: int) -> int:
-        """The draft length for a step with batch_size decoding requests; 0: do not
-        speculate. The k with the best speculative rate competes with plain decoding."""
+        """The draft length for a step of batch_size decoding requests (0: do not
+        speculate): the k with the best rate, if it beats plain decoding."""
         a, times = self.acceptance.rate, self.times
         best_rate, best_k = max((expected_tokens(a, k) / times.at(series, batch_size), k)
                                 for k, series in times.speculative.items())

@@ -2,9 +2,8 @@
 can hold and k in 1..K: a plain decode step T(B), and a speculative step S(B, k) = verifying
 B rows of k + 1 tokens plus the proposal (n-gram host time, or the draft model's k iterations).
 
-The synthetic steps use blocks 0.. before anything is cached, every sequence sharing one
-block table. Times are wall-clock seconds a step as the engine's loop runs it: plain steps
-pipelined, speculative steps one at a time (launch, wait), as the loop applies them.
+Synthetic steps share one block table (blocks 0.., before anything is cached). Wall-clock
+seconds as the engine's loop runs them: plain steps pipelined, speculative ones one at a time.
 """
 from __future__ import annotations
 
@@ -75,7 +74,7 @@ def proposer_seconds(spec: SpeculativeConfig, k: int, context: int,
     prompt = [i % 97 for i in range(context)]  # repeats: every lookup finds a match
     contexts = [DraftContext(str(i), prompt, [], k) for i in range(requests)]
     for c in contexts:
-        proposer.propose(c)  # indexes the prompt: once per request, not per step
+        proposer.propose(c)  # indexes the prompt, once per request: not timed
     grown = [DraftContext(c.request_id, prompt, [7], k) for c in contexts]
     start = time.perf_counter()
     for c in grown:

@@ -14,13 +14,11 @@ equal the draws; the draw at the first mismatch, or after the last draft, is the
     output        d0    d1    x2                       2 accepted, x2 the correction
                   d0    d1    d2 ..  d(k-1)   xk       all accepted, xk the bonus
 
-Drafts are one-hot (a host proposer's, or the draft model's greedy guesses), so the plain
-draws decide everything. For a sampled row the draw is the Gumbel race
-x_i = argmax(logits_i / T + G(seed_i)): the draft is accepted when x_i == d_i, which happens
-with probability p_i(d_i) = min(1, p/q) for q one-hot; otherwise x_i is the correction, and
-given x_i != d_i it is distributed as normalize(max(p_i - onehot(d_i), 0)). That is
-rejection sampling exactly, with the accept test and the resampling coupled through one race,
-and a seeded request's output is the same with speculation on or off.
+Drafts are one-hot, so the plain draws decide everything. For a sampled row the draw is the
+Gumbel race x_i = argmax(logits_i / T + G(seed_i)): x_i == d_i with probability
+p_i(d_i) = min(1, p/q) for one-hot q; else x_i, the correction, is distributed as
+normalize(max(p_i - onehot(d_i), 0)). That is exact rejection sampling, and a seeded
+request's output is the same with speculation on or off.
 """
 from __future__ import annotations
 
@@ -54,7 +52,7 @@ def accept_drawn(plain: torch.Tensor, draft_token_ids: torch.Tensor,
 
 
 def position_rows(seqs: list[ScheduledSequence]) -> list[ScheduledSequence]:
-    """One sampling row per position each sequence samples at (see the module docstring)."""
+    """One sampling row per position each sequence samples at."""
     rows = []
     for seq in seqs:
         rows.append(seq)

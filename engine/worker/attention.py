@@ -26,8 +26,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     max_seq_len: int
-    # host copies (lists) of query_start_loc and seq_lens, for backends that loop on the host
-    query_start_loc_host: list[int] | None = None
+    query_start_loc_host: list[int] | None = None  # host copies, for host-looping backends
     seq_lens_host: list[int] | None = None
 
     @property
@@ -52,7 +51,7 @@ class AttentionBackend(Protocol):
 
 def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V rows into the flat slot view of the cache, skipping slot -1."""
+    """Scatter new K/V rows into the cache's flat slots, skipping slot -1."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     num_blocks, block_size, heads, dim = k_cache.shape
@@ -92,8 +91,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 class TorchAttention:
-    """Pure PyTorch: scatter into the cache, gather blocks, softmax. Runs anywhere; the oracle
-    that the Triton kernels are tested against."""
+    """Pure PyTorch, runs anywhere: the oracle the Triton kernels are tested against."""
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):

@@ -1,6 +1,4 @@
-"""Where and how a model runs: the device, dtype and attention backend a config's "auto"
-resolves to, and the ops (torch, or Triton kernels routed by measurement) that go with them.
-"""
+"""The device, dtype and attention backend a config's "auto" resolves to, and their ops."""
 from __future__ import annotations
 
 import torch
@@ -38,10 +36,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
 def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig,
             dtype: torch.dtype, device: torch.device, cache: StartupCache
             ) -> tuple[Ops, str | None]:
-    """Fused Triton ops go with the Triton backend (imported lazily, so CPU runs need no
-    Triton), the model's linear layers routed by a table measured on this GPU (or kept in
-    `cache` from an earlier start) for the row counts that CUDA graphs replay; and where
-    that table came from ("cached", "measured"; None: no table)."""
+    """The Triton backend's ops (imported lazily: CPU runs need no Triton), linears routed
+    by this GPU's skinny-GEMM table at the graphs' row counts; and the table's source
+    ("cached", "measured"; None: no table)."""
     if backend != "triton":
         return TORCH_OPS, None
     from engine.worker.triton_ops import measured_triton_ops, triton_ops

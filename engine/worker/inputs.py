@@ -28,8 +28,7 @@ class HostInputs:
     block_tables: np.ndarray  # int32 [S, max_blocks_per_seq]
     seq_lens: np.ndarray  # int32 [S]
     query_start_loc: np.ndarray  # int32 [S + 1]
-    # int64: the last token row of each sample=True sequence, and before it one row per
-    # draft of a sequence with drafts (engine/speculative/verify.py)
+    # int64: each sample=True sequence's last num_drafts + 1 token rows
     sample_indices: np.ndarray
     max_query_len: int
 
@@ -43,14 +42,13 @@ class StepInputs:
 
 
 def is_decode_step(seqs: list[ScheduledSequence]) -> bool:
-    """One new token per sequence and every sequence samples (a 1-token prompt chunk that
-    does not reach the end of its prompt is not a decode)."""
+    """One new token per sequence, and every sequence samples."""
     return all(len(s.token_ids) == 1 and s.sample for s in seqs)
 
 
 def prepare_host_inputs(seqs: list[ScheduledSequence], block_size: int,
                         max_blocks_per_seq: int) -> HostInputs:
-    """Varlen inputs of one step, computed with numpy over the whole batch at once."""
+    """Varlen inputs of one step, numpy over the whole batch."""
     if is_decode_step(seqs):
         return _decode_host_inputs(seqs, block_size, max_blocks_per_seq)
     new_lens = np.array([s.num_new_tokens for s in seqs], dtype=np.int64)
@@ -94,8 +92,7 @@ def _block_table_array(seqs: list[ScheduledSequence], width: int) -> np.ndarray:
 
 def _decode_host_inputs(seqs: list[ScheduledSequence], block_size: int,
                         max_blocks_per_seq: int) -> HostInputs:
-    """The common decode step (one token per sequence, all sampling), with plain lists: numpy
-    call overheads would dominate at decode batch sizes."""
+    """The decode step with plain lists: numpy call overheads dominate at decode sizes."""
     positions = [s.start_position for s in seqs]
     slots = [s.block_ids[p // block_size] * block_size + p % block_size
              for s, p in zip(seqs, positions)]
@@ -115,7 +112,7 @@ def upload(array: np.ndarray | list, dtype: torch.dtype, device: torch.device) -
     pageable memory first waits for all work queued on the device (the step in flight)."""
     host = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
     if device.type == "cuda":
-        host = host.pin_memory()  # cached by torch's host allocator until the copy is done
+        host = host.pin_memory()  # held by torch's host allocator until the copy is done
     return host.to(device, non_blocking=True)
 
 

@@ -1,7 +1,4 @@
-"""How many KV-cache blocks fit, for ModelRunner at startup (when --num-kv-blocks is not given).
-
-On CUDA the budget is what gpu_memory_utilization allows, less what others hold, the weights,
-the peak of a worst-case step and the CUDA graphs' pool:
+"""How many KV-cache blocks fit (when --num-kv-blocks is not given). On CUDA:
 
     total x gpu_memory_utilization
       - held by other processes and the CUDA context
@@ -36,9 +33,8 @@ def kv_block_bytes(cfg: GPT2Config, block_size: int, dtype: torch.dtype) -> int:
 
 class KVSizing:
     def __init__(self, runner, extra_block_bytes: int = 0, reserved_bytes: int = 0) -> None:
-        """runner: the ModelRunner being built (model loaded, no KV cache yet); a block also
-        costs `extra_block_bytes` elsewhere, and `reserved_bytes` of CUDA memory are set
-        aside (both for a draft model's pool and weights beside the runner's)."""
+        """runner: the ModelRunner being built (model loaded, no KV cache yet);
+        `extra_block_bytes` per block and `reserved_bytes`: a draft model's pool and weights."""
         self.runner, self.config = runner, runner.config
         self.extra_block_bytes, self.reserved_bytes = extra_block_bytes, reserved_bytes
 
@@ -59,8 +55,7 @@ class KVSizing:
         return num_blocks, sizing
 
     def free_cuda_bytes(self) -> tuple[int, str]:
-        """The module docstring's budget before the graph pool, and "cached" or "profiled"
-        (whether the worst step's bytes came from the startup cache or from running it)."""
+        """The module docstring's budget, and "cached" or "profiled" (the worst step's)."""
         device = self.runner.device
         torch.cuda.empty_cache()
         weights = torch.cuda.memory_allocated(device)
@@ -84,8 +79,7 @@ class KVSizing:
         return peak - before
 
     def worst_step_key(self) -> dict:
-        """Everything the worst-case step's memory depends on: the device and libraries, the
-        model's shapes and dtype, the limits that size the step, and the code that runs it."""
+        """Everything the worst-case step's memory depends on."""
         runner, sched = self.runner, self.config.scheduler
         return {**device_key(runner.device), "model": dataclasses.asdict(runner.model.config),
                 "dtype": str(runner.dtype), "attention_backend": runner.attention_backend,
@@ -95,8 +89,7 @@ class KVSizing:
                 "source": source_hash("engine/worker", "engine/speculative", "kernels")}
 
     def graph_memory_estimate(self, step_bytes: int) -> int:
-        """The graph pool, set aside before the cache since graphs are captured after it:
-        every captured size's logits, the worst step's `step_bytes`, and a margin."""
+        """The graph pool, set aside before the cache (graphs are captured after it)."""
         runner = self.runner
         if not runner.uses_graphs:
             return 0
@@ -107,10 +100,9 @@ class KVSizing:
 
 def worst_step(config: EngineConfig, block_size: int,
                max_drafts: int) -> tuple[SchedulerOutput, int]:
-    """The worst-case step: the full token budget over as many sequences as may run at once,
-    each sampling with the sort-based filters (and at up to k drafts, when speculating) after
-    reporting the logprobs of its other positions (prompt logprobs' slices); and the blocks
-    it needs."""
+    """The worst-case step and the blocks it needs: the full token budget over as many
+    sequences as may run, each sampling with sort-based filters at up to k drafts, after
+    reporting its other positions' prompt logprobs."""
     sched = config.scheduler
     num_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
     lens = [min(sched.max_model_len, len(chunk))

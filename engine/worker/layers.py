@@ -1,8 +1,6 @@
-"""The model's elementwise building blocks, as a swappable set of functions.
-
-`TORCH_OPS` is the plain-PyTorch reference; the Triton backend (`engine.worker.triton_ops.triton_ops`)
-provides fused Triton versions with the same signatures. The model receives one `Ops` at
-construction (no global switch).
+"""The model's elementwise building blocks as a swappable `Ops`: `TORCH_OPS` is the PyTorch
+reference, `triton_ops.triton_ops()` fused kernels with the same signatures. The model gets
+one `Ops` at construction (no global switch).
 """
 from __future__ import annotations
 
@@ -40,8 +38,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
 def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                     norm_bias: torch.Tensor, eps: float, weight: torch.Tensor,
                     bias: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (linear(LayerNorm(x + residual), weight, bias, gelu), x + residual): the
-    pre-norm block entry that a decode kernel can do in one launch."""
+    """(linear(LayerNorm(x + residual), weight, bias, gelu), x + residual): the pre-norm
+    block entry, one launch in a decode kernel."""
     normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
     return linear(normed, weight, bias, gelu), summed
 

@@ -27,8 +27,7 @@ from engine.worker.sampler import SamplerOutput
 class StepPlan:
     sample_rows: list[ScheduledSequence]  # one per position the sampler draws at
     follow: bool = True  # the follower (if any) runs over this step
-    # host inputs -> the writer of device-side drafts into the step's token ids
-    draft_writer: Callable[[HostInputs], WriteDrafts] | None = None
+    draft_writer: Callable[[HostInputs], WriteDrafts] | None = None  # of device-side drafts
     drafts: Any = None  # the implementation's own: what after_sample verifies against
 
     def write_drafts(self, host: HostInputs) -> WriteDrafts | None:

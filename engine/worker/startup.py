@@ -1,11 +1,10 @@
-"""What startup measures on the GPU, kept beside Triton's kernel cache so that a restart with
-nothing changed skips the measuring (the skinny-GEMM table, the worst step's memory), and the
-time of each startup phase for the one line logged at ready.
+"""What startup measures on the GPU (the skinny-GEMM table, the worst step's memory), kept
+beside Triton's kernel cache so an unchanged restart skips it; and each startup phase's time.
 
-An entry is a plain JSON file, `<kind>-<hash of its key>.json`, holding its key (everything
-that changes the answer: GPU, library versions, shapes, the source of the code measured) and
-its value. A file that cannot be read or does not hold its key is ignored with a warning and
-rewritten, atomically (temp file + os.replace), so a crash mid-write never leaves half a file.
+An entry is `<kind>-<hash of its key>.json` holding its key (everything that changes the
+answer: GPU, library versions, shapes, the measured code's source) and its value. A file that
+cannot be read or holds another key is ignored with a warning and rewritten atomically (temp
+file + os.replace), so a crash never leaves half a file.
 """
 from __future__ import annotations
 
@@ -28,15 +27,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def default_cache_dir() -> Path:
     """Triton's cache directory (TRITON_CACHE_DIR, else $TRITON_HOME or ~, then
-    .triton/cache), so one volume keeps both the kernels and what was measured with them."""
+    .triton/cache): one volume keeps the kernels and their measurements."""
     triton_dir = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
         os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache")
     return Path(triton_dir) / "gpt2-serve"
 
 
 class StartupCache:
-    """Measured startup facts by key; `directory` None: persistence off (every lookup misses,
-    nothing is written)."""
+    """Measured startup facts by key; `directory` None: every lookup misses, nothing written."""
 
     def __init__(self, directory: Path | None):
         self.directory = directory
@@ -115,7 +113,7 @@ def source_hash(*packages: str) -> str:
 
 
 class StartupPhases:
-    """Seconds per startup phase, with how it was done, for the line logged at ready."""
+    """Seconds per startup phase, for the line logged at ready."""
 
     def __init__(self) -> None:
         self.phases: list[str] = []

@@ -19,8 +19,8 @@ log = logging.getLogger(__name__)
 
 
 def triton_ops(skinny_wins: SkinnyWins | None = None) -> Ops:
-    """Fused Triton ops; linear layers take the skinny GEMM for the measured winning shapes,
-    in the tile config that won (none: cuBLAS for every linear)."""
+    """Fused Triton ops; linears take the skinny GEMM, in its tile config, where skinny_wins
+    says (None: cuBLAS for every linear)."""
     linear = LinearDispatch(skinny_wins)
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                add_norm_linear=linear.add_norm_linear, sample=row_sample,
@@ -30,10 +30,8 @@ def triton_ops(skinny_wins: SkinnyWins | None = None) -> Ops:
 def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],
                         dtype: torch.dtype, device: torch.device, cache: StartupCache
                         ) -> tuple[Ops, str]:
-    """triton_ops with the skinny GEMM wherever it measured faster than cuBLAS on this GPU,
-    for the model's linear `shapes` at the decode `batch_sizes` that CUDA graphs replay; and
-    "cached" when the table came from `cache` (no timing, nothing compiled but the winners),
-    else "measured"."""
+    """triton_ops with the skinny GEMM wherever it beats cuBLAS on this GPU for `shapes` at
+    the graphs' `batch_sizes`; and "cached" (table from `cache`) or "measured"."""
     key = {**device_key(device), "dtype": str(dtype), "shapes": [list(s) for s in shapes],
            "batch_sizes": list(batch_sizes), "tile_candidates": [list(c) for c in TILE_CANDIDATES],
            "kernels_source": source_hash("kernels")}
@@ -47,10 +45,8 @@ def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],
 
 
 class TritonAttention:
-    """When every sequence has exactly one new token, the decode kernel; otherwise the varlen
-    prefill kernel. Both store the new K/V (the prefill kernel itself in a short step, else
-    store_kv before it). Grids come from the host ints in AttentionMetadata, so a forward
-    never syncs with the device."""
+    """One new token per sequence: the decode kernel; else the varlen prefill kernel. Both
+    store the new K/V. Grids come from AttentionMetadata's host ints: no device sync."""
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

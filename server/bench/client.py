@@ -4,8 +4,8 @@ The parent draws the whole schedule (prompts and send times), deals it round-rob
 workers, and starts them on one shared `time.monotonic()` instant once every worker has
 imported and connected, so N workers send the same Poisson schedule one would. Each worker
 reports its own CPU time, so a run shows whether the load generator kept up. HTTP goes
-through aiohttp (its parser is C; vLLM's benchmark uses it too): on the dev CPU a streamed
-chunk cost its worker 18 us against httpx's 74 us (pure-Python h11).
+through aiohttp: its parser is C (vLLM's benchmark uses it too), cheaper per chunk than
+pure-Python clients.
 
 A Ctrl-C stops the run: the parent tells each worker to stop (workers ignore SIGINT, which a
 terminal sends to the whole process group), and each returns the requests it has finished.

@@ -3,7 +3,7 @@
 Random and shared-prefix prompts are token ids (so their length is exact); a JSONL file holds
 one object per line: {"prompt": "text" or [token ids], "output_len": 128 (optional)}.
 Each run of a rate sweep gets prompts no other run sent (its own seed, or its own slice of the
-file), so no run hits the prefix cache that an earlier run filled.
+file), so no run hits another run's prefix cache.
 """
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ before it on the device). docs/speculative.md section 8 places them in a step.
     draws       d1         d2         d3         d4         iteration i + 1 feeds i's draw
     writes      KV @19     KV @20     KV @21     KV @22     the draft's, in the row's slots
 
-A row with d < k drafts repeats its last position in later iterations without writing (slot
--1), and its drafts after the d-th are NO_TOKEN. `ChainPlan` computes every iteration's
-positions, slots and lengths on the device before the first. A graph per iteration, not one
-per chain: the device starts on the first while the host launches the next.
+A row with d < k drafts repeats its last position later without writing (slot -1); its drafts
+after the d-th are NO_TOKEN. `ChainPlan` computes every iteration's inputs on the device
+before the first. A graph per iteration, not per chain: the device starts on the first while
+the host launches the next.
 """
 from __future__ import annotations
 
@@ -42,7 +42,6 @@ class ChainPlan:
     @staticmethod
     def of(positions: torch.Tensor, block_tables: torch.Tensor, draft_counts: torch.Tensor,
            iterations: int, block_size: int) -> ChainPlan:
-        """From each row's first position, block table and draft count."""
         return ChainPlan(*chain_plan(positions, block_tables, draft_counts, iterations, block_size))
 
     def iteration(self, model: torch.nn.Module, kv_caches: list, input_ids: torch.Tensor,
@@ -92,17 +91,14 @@ def greedy_chain(model: torch.nn.Module, kv_caches: list, input_ids: torch.Tenso
 
 
 def chain_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
-    """The decode layout (what DecodeStager writes), each row's draft count, and its
-    catch-up: the position of its last draft in the last run (-1: none) and that draft's
-    index in the flattened `drafts`."""
+    """The decode layout plus each row's draft count and catch-up: its last draft's position
+    in the last run (-1: none) and that draft's index in the flattened `drafts`."""
     return BufferLayout(seq_lens=max_batch, draft_counts=max_batch,
                         catch_up_positions=max_batch, catch_up_sources=max_batch,
                         block_tables=(max_batch, max_blocks_per_seq))
 
 
-# a row's catch-up, or None: its last draft's position in the last run, then that run's row
-# and column of it (drafter.py)
-CatchUp = tuple[int, int, int]
+CatchUp = tuple[int, int, int]  # last draft's position in the last run; its row and column
 
 
 class DraftChainGraphs(OneTokenGraphs):
@@ -123,13 +119,10 @@ class DraftChainGraphs(OneTokenGraphs):
         self.iterations, self.block_size, self.start_op = iterations, block_size, start_op
         self.drafts = torch.full((self.max_batch, iterations), NO_TOKEN, dtype=torch.int64,
                                  device=device)
-        # no row catches up while the graphs are captured (a row at position 0 cannot)
-        self.meta.catch_up_positions.fill_(-1)
-        # the first iteration when a row catches up (first_iteration_catching_up)
+        self.meta.catch_up_positions.fill_(-1)  # no row catches up during capture
         self.catching_up_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # the first iteration of a run queued ahead (first_iteration_ahead), and what it
-        # reads of the verification before it: each row's accepted count and sampled token
         self.ahead_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # what an ahead run reads of its verification: accepted counts, sampled tokens
         self.verified = torch.zeros((2, self.max_batch), dtype=torch.int64, device=device)
         self.pair_starts = torch.arange(0, 2 * self.max_batch + 1, 2, dtype=torch.int32,
                                         device=device)
@@ -198,7 +191,7 @@ class DraftChainGraphs(OneTokenGraphs):
         return input_ids, positions, plan
 
     def first_iteration(self, size: int) -> tuple[ChainPlan, torch.Tensor]:
-        """Plan every iteration of the first `size` rows and run the first: (plan, tokens)."""
+        """Plan the first `size` rows' iterations and run the first: (plan, tokens)."""
         input_ids, _, plan = self._planned_inputs(size)
         return plan, self.iteration(size, 0, plan, input_ids)
 

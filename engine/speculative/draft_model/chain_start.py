@@ -6,7 +6,7 @@ first iteration's inputs, two token rows a sequence:
     verified    A drafts accepted, then s                       (num_accepted, sampled)
     first       [token @ p - 1, s @ p], p = q + A + 1           (first_tokens, _positions,
                 (t if A = 0, else d_A: when A = k the draft's    _slots; both rows write
-                 first KV of d_k, before: a rewrite of its own)  their KV)
+                 first KV of d_k; A < k: a rewrite of its own)   their KV)
     plan        iteration i at min(p + i, p + k - 1), slot -1 once the row has drawn its k
 
 A row without drafts (padding) sits at positions 0 and 1 and writes nothing. `chain_start` is

@@ -1,6 +1,5 @@
 """The draft_model method's worker side: a second ModelRunner whose KV pool has the target's
-block count and block size, so the target's block tables index it too (the block manager owns
-both). docs/speculative.md section 8 tells the whole story.
+block count and size, so the target's block tables index it too (docs/speculative.md, 8).
 
     follow()       the draft's forward over a target step's inputs, for KV only (skipped
                    when every sequence verifies drafts: fill wrote all but the last draft's)
@@ -37,11 +36,9 @@ class Drafter:
         where it may use graphs, its chain of up to max_drafts iterations is captured."""
         self.runner = runner
         self.chain = self._capture_chain(max_drafts) if runner.uses_graphs else None
-        # after a step without the follow pass: each request's last draft (catch_ups)
-        self._unfollowed: dict[str, CatchUp] = {}
+        self._unfollowed: dict[str, CatchUp] = {}  # after a step without follow (catch_ups)
         self._last_drafts: torch.Tensor | None = None
-        # (request id, draft count) of each row that draft_ahead drafted for, in order
-        self._drafted_ahead: list[tuple[str, int]] | None = None
+        self._drafted_ahead: list[tuple[str, int]] | None = None  # (request id, drafts) rows
         self.num_taken_ahead = 0  # fills that took the drafts made ahead
 
     def _capture_chain(self, max_drafts: int) -> DraftChainGraphs:
@@ -140,7 +137,6 @@ class Drafter:
                             upload(counts, torch.int32, runner.device), width, draw)
 
     def _inputs(self, rows: list[ScheduledSequence]) -> StepInputs:
-        """An eager decode step's inputs over `rows`."""
         runner = self.runner
         return to_device(prepare_host_inputs(rows, runner.block_size, runner.max_blocks_per_seq),
                          runner.device)

@@ -1,7 +1,6 @@
 """The draft_model method behind the runner's protocol (engine/worker/speculation.py): the
-draft model's checkpoint checked against the target's, the memory it takes beside the
-target's KV pool, its runner, and each step's drafting around the target's forward
-(drafter.py has the draft's side of a step)."""
+draft's checkpoint check, its memory beside the target's pool, its runner, and each step's
+drafting around the target's forward (drafter.py: the draft's side)."""
 from __future__ import annotations
 
 import json
@@ -58,10 +57,9 @@ def draft_memory(draft: GPT2Config, block_size: int, dtype: torch.dtype,
 
 def build_draft(config: EngineConfig, target: ModelRunner, draft: DraftCheckpoint
                 ) -> DraftModelSpeculation:
-    """The draft's runner: the target's device, dtype and attention backend, the draft's
-    weights, a pool of the target's block count and block size (so the target's block
-    tables index it too, and the block manager stays the one owner of blocks), no
-    speculation and no step graphs of its own."""
+    """The draft's runner: the target's device, dtype and attention backend, a pool of the
+    target's block count and size (the target's block tables index it), no speculation and
+    no step graphs of its own."""
     start = time.perf_counter()
     runner = ModelRunner(replace(config, model=replace(config.model, model=str(draft.model_dir)),
                                  speculative=None), draft.model_dir, draft.config)

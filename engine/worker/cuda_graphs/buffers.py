@@ -1,6 +1,5 @@
-"""The packed buffers the graphs read, as named layouts: the same layout hands out named views
-of a host numpy array (the stager's pinned mirror) and of a device tensor (what the graph
-reads), so neither side counts rows or offsets by hand."""
+"""The packed buffers the graphs read, as named layouts: one layout gives named views of the
+stager's pinned numpy mirror and of the device tensor, so no side counts offsets by hand."""
 from __future__ import annotations
 
 import math
@@ -30,7 +29,7 @@ class BufferLayout:
         return self.offsets[name]
 
     def end(self, name: str, rows: int | None = None) -> int:
-        """Where segment `name` ends, or where its first `rows` rows end."""
+        """The end of segment `name`, or of its first `rows` rows."""
         shape = self.shapes[name]
         rows = shape[0] if rows is None else rows
         return self.offsets[name] + rows * math.prod(shape[1:])
@@ -48,9 +47,9 @@ class BufferLayout:
 
 
 def token_layout(n: int) -> BufferLayout:
-    """The int64 buffer of a graph set with n token rows. Its first two segments are one pool
-    that a graph gathers input ids from by token source: index r < n is row r of the previous
-    step's sampled tokens (a placeholder's), n + r is token row r's own known id."""
+    """The int64 buffer of a graph set with n token rows. Its first two segments are the pool
+    input ids are gathered from by token source: r < n is row r of the previous step's
+    samples (a placeholder's), n + r token row r's own id."""
     return BufferLayout(prev_tokens=n, token_ids=n, positions=n, slot_mapping=n,
                         token_source=n, draw_seeds=n, draw_temperature=n,
                         bits_of={"draw_temperature": "float64"})
@@ -58,8 +57,7 @@ def token_layout(n: int) -> BufferLayout:
 
 def stage_draw_inputs(tokens: SimpleNamespace, draw_inputs: tuple[np.ndarray, np.ndarray],
                       rows: int) -> None:
-    """Each sampling row's seed and temperature, then greedy padding (seed 0, temperature 0.0)
-    up to `rows`."""
+    """Each sampling row's seed and temperature, then greedy padding up to `rows`."""
     temperature, seeds = draw_inputs
     samples = len(seeds)
     tokens.draw_seeds[:samples] = seeds

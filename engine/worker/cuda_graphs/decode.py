@@ -1,8 +1,5 @@
-"""Decode graphs: one token per sequence, per padded batch size, and the stager that writes a
-decode step into their pinned buffers.
-
-A step of B sequences replays the smallest captured size >= B; rows B.. are padding that can
-do no harm:
+"""Decode graphs (one token per sequence, per padded batch size) and their stager. A step of
+B sequences replays the smallest captured size >= B; rows B.. are harmless padding:
 
     row        0    1    2    3    4  | 5    6    7        (B = 5, graph for 8)
     slot       s0   s1   s2   s3   s4 | -1   -1   -1       -1: KV store skips the row
@@ -29,7 +26,6 @@ PADDING_ROW = (0,)  # a padding row attends to position 0 of block 0 (the cache 
 
 
 def decode_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
-    """The decode graphs' int32 buffer."""
     return BufferLayout(seq_lens=max_batch, block_tables=(max_batch, max_blocks_per_seq))
 
 
@@ -41,7 +37,6 @@ class OneTokenGraphs(GraphSet):
                  max_model_len: int, device: torch.device,
                  meta_layout: Callable[[int], BufferLayout], make_stager: MakeStager,
                  follower: Follower | None = None):
-        """meta_layout(max_batch): the set's int32 buffer."""
         super().__init__(model, kv_caches, sizes, meta_layout(sizes[-1]), device, make_stager,
                          follower)
         self.max_model_len = max_model_len
@@ -77,8 +72,8 @@ class DecodeGraphs(OneTokenGraphs):
     def run(self, seqs: list[ScheduledSequence], sources: list[int],
             prev_tokens: torch.Tensor | None,
             draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the graph for this batch; sources[i] >= 0: sequence i's placeholder's row in
-        prev_tokens. Returns logits [B, vocab] and drawn tokens [B], valid until the next replay."""
+        """sources[i] >= 0: sequence i's placeholder's row in prev_tokens. Returns logits
+        [B, vocab] and drawn tokens [B], valid until the next replay."""
         batch = len(seqs)
         size = self.size_for(batch)
         self._replay(size, lambda stager: stager.write(seqs, size, sources, draw_inputs),
@@ -88,13 +83,10 @@ class DecodeGraphs(OneTokenGraphs):
 
 
 class DecodeStager:
-    """Writes decode steps (one token per sequence) into the named views of one pinned mirror
-    (`tokens`: token_layout; `meta`: decode_meta_layout), for a padded batch of `size` rows.
-    Padding rows: token 0 at position 0, slot -1, greedy draw; seq_len 1, block table [0].
-
-    A block-table row is rewritten only when its blocks differ from the sequence's (compared
-    as tuples), so a typical step writes none. Entries past a row's blocks may be stale: the
-    kernels read a table only below the sequence's length."""
+    """Writes decode steps into one pinned mirror's views (`tokens`: token_layout; `meta`:
+    decode_meta_layout), padded to `size` rows: token 0 at position 0, slot -1, greedy draw,
+    seq_len 1, block table [0]. A table row is rewritten only when its blocks changed;
+    entries past a row's blocks may be stale (kernels read only below the length)."""
 
     def __init__(self, tokens: SimpleNamespace, meta: SimpleNamespace, block_size: int):
         self.tokens, self.meta, self.block_size = tokens, meta, block_size
@@ -104,7 +96,7 @@ class DecodeStager:
 
     def write(self, seqs: list[ScheduledSequence], size: int, sources: list[int],
               draw_inputs: DrawInputs) -> None:
-        """Stage `seqs` padded to `size` rows; `draw_inputs`: Sampler.draw_inputs'."""
+        """`draw_inputs`: Sampler.draw_inputs'."""
         batch, bs, t = len(seqs), self.block_size, self.tokens
         self._write_tables(seqs, size)
         token_ids, positions = t.token_ids[:batch], t.positions[:batch]
@@ -125,7 +117,6 @@ class DecodeStager:
         self.meta.seq_lens[batch:size] = 1
 
     def _write_tables(self, seqs: list[ScheduledSequence], size: int) -> None:
-        """The rows whose blocks changed (see the class docstring), then the padding rows."""
         tables = self.meta.block_tables
         for row, s in enumerate(seqs):
             if self._rows[row] != s.block_ids:

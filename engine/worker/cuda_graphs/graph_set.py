@@ -20,12 +20,10 @@ Follower = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None]
 class GraphSet:
     """Graphs of one kind, one per padded size, reading two packed device buffers: `tokens`
     (int64, `token_layout`) and `meta` (int32, the subclass's layout). Two pinned mirrors
-    take turns, since step N's copies may still be queued while N+1 is staged; an event per
-    mirror guards its reuse. A subclass defines attention_meta(size)
-    over the buffers and forward(size): what its graph of that size records, run eagerly;
-    its result stays in `outputs[size]` (valid until the next replay of that size). A
-    `follower` gets a graph of its own per size, over the same inputs, replayed after the
-    model's unless a step says not to (`_replay`'s follow)."""
+    take turns (step N's copies may still be queued while N+1 is staged), each guarded by an
+    event. A subclass defines attention_meta(size) and forward(size), what its graph records;
+    the result stays in `outputs[size]` until that size's next replay. A `follower` gets its
+    own graph per size over the same inputs, replayed after the model's unless told not to."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: list[int],
                  meta_layout: BufferLayout, device: torch.device, make_stager: MakeStager,
@@ -47,7 +45,7 @@ class GraphSet:
 
     @property
     def steps_staged(self) -> int:
-        """How many steps have been staged through the pinned mirrors (each replay stages one)."""
+        """Steps staged through the pinned mirrors (each replay stages one)."""
         return self._steps_staged
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +58,7 @@ class GraphSet:
         return self.model(*self._inputs(size), self.kv_caches, self.attention_meta(size))
 
     def follow(self, size: int) -> None:
-        """The follower's forward over the first `size` rows, run eagerly: what its graph of
-        that size records (as `forward` is for the model's graph)."""
+        """The follower's forward over the first `size` rows: what its graph records."""
         self.follower(*self._inputs(size), self.attention_meta(size))
 
     def _logits_and_draws(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +85,8 @@ class GraphSet:
     def _replay(self, size: int, stage: Callable, prev_tokens: torch.Tensor | None,
                 meta_rows: int, after_copy: Callable[[], None] | None = None,
                 follow: bool = True) -> None:
-        """_copy_in, then run `after_copy` (device writes over the copied buffers), replay,
-        and replay the follower's graph, if `follow`."""
+        """_copy_in, `after_copy` (device writes over the copied buffers), replay, and the
+        follower's graph if `follow`."""
         self._copy_in(stage, prev_tokens, meta_rows)
         if after_copy is not None:
             after_copy()
@@ -129,9 +126,8 @@ def capture_graph(record: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object,
 
 
 class _PinnedStaging:
-    """Pinned host mirrors of a graph set's two buffers, with the stager that fills them and
-    an event marking when the device has taken their last copies (steps launched without a
-    wait in between must not rewrite a mirror still queued)."""
+    """Pinned host mirrors of a graph set's two buffers, their stager, and an event marking
+    when the device has taken their last copies (a queued mirror must not be rewritten)."""
 
     def __init__(self, graphs: GraphSet, make_stager: MakeStager, device: torch.device):
         self.ids64 = torch.zeros_like(graphs._ids64, device="cpu").pin_memory()
@@ -141,7 +137,6 @@ class _PinnedStaging:
                                   graphs.meta_layout.views(self.ids32.numpy()))
 
     def wait_copied(self) -> None:
-        """Until the device has taken the last copies from these mirrors."""
         if self._copied is not None:
             self._copied.synchronize()
 

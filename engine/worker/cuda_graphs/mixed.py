@@ -9,9 +9,8 @@ pinned buffers:
                num_drafts + 1 rows, engine/speculative/verify.py) | padding: row 0, greedy
 
 The prefill attention grid depends only on shapes, so one capture serves every step that
-fits; padding rows write no KV and stay in their own rows through every row-wise op. Each
-graph keeps its final hidden states [N, n_embd] as an output beside the logits and draws, so
-a step with prompt logprobs replays it too and reads its rows afterwards.
+fits; padding rows write no KV and stay in their own rows. Each graph also outputs its final
+hidden states [N, n_embd], which prompt logprobs read after the replay.
 """
 from __future__ import annotations
 
@@ -43,8 +42,8 @@ class MixedGraphs(GraphSet):
                  max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
                  device: torch.device, max_sample_rows: int | None = None,
                  follower: Follower | None = None):
-        """sizes: the token counts captured, ascending; max_sample_rows: logits rows a step
-        may sample (max_num_seqs unless drafts make it more: max_num_seqs (k + 1))."""
+        """sizes: token counts, ascending; max_sample_rows: logits rows a step may sample
+        (max_num_seqs, or max_num_seqs (k + 1) with drafts)."""
         max_sample_rows = max_sample_rows or max_num_seqs
         super().__init__(model, kv_caches, sizes,
                          mixed_meta_layout(max_num_seqs, max_blocks_per_seq, max_sample_rows),
@@ -73,30 +72,27 @@ class MixedGraphs(GraphSet):
             max_query_len=size, max_seq_len=self.max_model_len)
 
     def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The sampling rows' logits and draws, and the final hidden states (after ln_f) of
-        all `size` token rows: an output too, so that it outlives the capture and a step's
-        prompt logprobs can read every row after the replay (`hidden`)."""
+        """The sampling rows' logits and draws, and all `size` rows' final hidden states
+        (an output, so that prompt logprobs can read it after the replay: `hidden`)."""
         hidden = self._hidden(size)
         sampled = self.meta.sample_rows[:self.sample_rows(size)]
         return *self._logits_and_draws(hidden.index_select(0, sampled)), hidden
 
     def size_for(self, num_tokens: int) -> int:
-        """The padded token count of the graph that a step of num_tokens tokens replays."""
+        """The padded token count a step of num_tokens replays."""
         return next(s for s in self.sizes if s >= num_tokens)
 
     def hidden(self, num_tokens: int) -> torch.Tensor:
-        """The final hidden states [num_tokens, n_embd] of the last step of num_tokens tokens
-        that `run` replayed (what the model returns eagerly for those rows): valid until the
-        next replay of the same size."""
+        """Final hidden states [num_tokens, n_embd] of the last `run` of num_tokens tokens,
+        valid until the next replay of that size."""
         return self.outputs[self.size_for(num_tokens)][2][:num_tokens]
 
     def run(self, host: HostInputs, sources: list[int], prev_tokens: torch.Tensor | None,
             draw_inputs: DrawInputs, write_drafts: WriteDrafts | None = None,
             follow: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the graph for this step (see DecodeGraphs.run); returns the logits and
-        draws of its sampling sequences. `write_drafts` writes the draft model's guesses
-        into the token ids on the device before the replay; `follow` False: the follower's
-        graph is not replayed."""
+        """Returns the sampling rows' logits and draws (as DecodeGraphs.run). `write_drafts`
+        writes device-side drafts into the token ids before the replay; `follow` False:
+        the follower's graph is skipped."""
         size = self.size_for(len(host.token_ids))
         rows, sample_rows = self.rows(size), self.sample_rows(size)
         after_copy = None if write_drafts is None else (
@@ -110,11 +106,9 @@ class MixedGraphs(GraphSet):
 
 
 class MixedStager:
-    """Writes a step with prompt tokens (HostInputs) into the named views of one pinned mirror
-    (`tokens`: token_layout; `meta`: mixed_meta_layout), padded to `size` tokens, `rows`
-    sequences and `sample_rows` sampling rows (`rows` unless given). Padding tokens: token 0,
-    position 0, slot -1, their own token; padding sequences: query start at the real token
-    count, seq_len 0; padding sampling rows: row 0, greedy draw."""
+    """Writes a step with prompt tokens into one pinned mirror's views, padded to `size`
+    tokens (token 0, position 0, slot -1), `rows` sequences (query start at the real token
+    count, seq_len 0) and `sample_rows` sampling rows (row 0, greedy; `rows` unless given)."""
 
     def __init__(self, tokens: SimpleNamespace, meta: SimpleNamespace):
         self.tokens, self.meta = tokens, meta

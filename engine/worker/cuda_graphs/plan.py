@@ -44,9 +44,8 @@ class GraphPlan:
                    sched.max_num_seqs * (config.max_drafts + 1))
 
     def linear_row_counts(self) -> list[int]:
-        """The decode sizes, twice each (a draft model's chain starts with two token rows a
-        sequence), and the mixed-step token counts (a one-stream speculative verification
-        runs in the smallest)."""
+        """The decode sizes, twice each (a draft chain starts with two rows a sequence), and
+        the mixed-step token counts."""
         return sorted({*self.decode_sizes, *(2 * s for s in self.decode_sizes),
                        *self.mixed_sizes})
 

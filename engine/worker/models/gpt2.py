@@ -152,8 +152,7 @@ class GPT2(nn.Module):
     def __init__(self, cfg: GPT2Config, ops: Ops, backend: AttentionBackend):
         super().__init__()
         self.config = cfg
-        # given weights skip nn.Embedding's normal_ init, whose meta-device version imports
-        # torch._dynamo: seconds of every start (load_gpt2 builds on meta)
+        # given weights skip nn.Embedding's normal_ init, which on meta imports torch._dynamo
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd,
                                 _weight=torch.empty(cfg.padded_vocab_size, cfg.n_embd))
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd,
@@ -185,8 +184,7 @@ def find_checkpoint(model: str) -> tuple[Path, GPT2Config]:
 
 def load_gpt2(model_dir: Path, cfg: GPT2Config, dtype: torch.dtype, device: torch.device | str,
               ops: Ops, attention: AttentionBackend) -> GPT2:
-    """Build GPT-2 from a checkpoint directory (find_checkpoint), weights cast to dtype on
-    device."""
+    """GPT-2 from a checkpoint directory (find_checkpoint), weights cast to dtype on device."""
     with torch.device("meta"):  # no allocation or random init: the checkpoint fills it
         gpt2 = GPT2(cfg, ops, attention)
     state = load_weights(model_dir, dtype, device)
@@ -210,7 +208,7 @@ def resolve_model_dir(model: str) -> Path:
 
 
 def _download(repo_id: str) -> Path:
-    """Fetch only what the loader reads; pytorch_model.bin only when there is no safetensors."""
+    """Fetch only what the loader reads (pytorch_model.bin only without safetensors)."""
     from huggingface_hub import snapshot_download
 
     try:

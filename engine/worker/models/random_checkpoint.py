@@ -1,8 +1,6 @@
-"""Random-initialised GPT-2 checkpoints in Hugging Face format, written with torch alone.
-
-The hub checkpoints' layout (config.json + model.safetensors, "transformer." keys, Conv1D
-weights [in, out], lm_head tied to wte) at any size, for tests and benchmarks that cannot
-download weights; `load_gpt2` loads them as real ones. CLI: scripts/make_checkpoint.py.
+"""Random-initialised GPT-2 checkpoints in the hub's layout (config.json + model.safetensors,
+"transformer." keys, Conv1D weights [in, out], tied lm_head) at any size, for tests and
+benchmarks without downloads. CLI: scripts/make_checkpoint.py.
 """
 from __future__ import annotations
 
