@@ -9,7 +9,7 @@ kernel's launch and three fresh uploads.
     graph[size]: masked_draw(logits[:size], arange, words[:size], ...) ─▶ tokens[:size]
     drawn[rows] = tokens[:R]
 
-Rows R..size-1 allow no token (their words are zeroed): they draw 0, which nobody reads.
+Rows R..size-1 draw from whatever their buffers hold last: tokens nobody reads.
 """
 from __future__ import annotations
 
@@ -61,11 +61,9 @@ class MaskedDrawGraphs:
         staging[0, :count] = rows
         staging[1, :count] = seeds
         staging[2, :count] = temperature.astype(np.float64).view(np.int64)
-        self._inputs[:, :count].copy_(self._staging[:, :count], non_blocking=True)
+        self._inputs.copy_(self._staging, non_blocking=True)  # whole: one contiguous copy
         self._copied.record()
         self._words[:count].copy_(torch.from_numpy(words), non_blocking=True)
-        if size > count:
-            self._words[count:size].zero_()
         on_device = self._inputs[0, :count]
         torch.index_select(logits, 0, on_device, out=self._logits[:count])
         self._graphs[size].replay()
