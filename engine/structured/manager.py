@@ -23,17 +23,12 @@ log = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, by spec; a few MB at most
 MASK_WORDS = -(-VOCAB_SIZE // 32)  # int32 words of a bitmask row
 ALL_ALLOWED = -1  # an int32 word with every bit set
-# below this many rows one thread fills the mask: a thread pool's hand-off costs more than
-# the ~10 us a row takes
-BATCH_FILL_ROWS = 32
 
 
 class StructuredOutputs:
-    def __init__(self, max_rows: int, bitmask: np.ndarray | None = None,
-                 fill_threads: int = 1) -> None:
+    def __init__(self, max_rows: int, bitmask: np.ndarray | None = None) -> None:
         """`max_rows`: the most constrained rows a step samples; `bitmask`: int32
-        [max_rows, MASK_WORDS] to fill masks into (default: a fresh array); `fill_threads`:
-        xgrammar's threads for a mask of BATCH_FILL_ROWS rows or more."""
+        [max_rows, MASK_WORDS] to fill masks into (default: a fresh array)."""
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()  # spec key -> compile
         self._compiling: dict[str, Future] = {}  # seq id -> its grammar's compile
@@ -41,9 +36,8 @@ class StructuredOutputs:
         self._completed: set[str] = set()  # matchers complete (or refused) since take_mask
         self._bitmask = (np.empty((max_rows, MASK_WORDS), np.int32) if bitmask is None
                          else bitmask)
-        self._rows: list[str] | None = None  # the rows of the mask requested
-        self._fill_threads = fill_threads
-        self._batch = None  # xgrammar's BatchGrammarMatcher, on the first batch fill
+        self._rows: list[str] = []  # the sequences of the mask requested
+        self._at: list[int] | None = None  # the bitmask rows they fill (None: 0, 1, ...)
         self.num_compiles = 0  # grammars compiled (cache misses)
 
     def submit(self, seq_id: str, spec: StructuredOutputsParams) -> None:
@@ -91,12 +85,13 @@ class StructuredOutputs:
         if matcher.is_terminated():
             self._completed.add(seq_id)
 
-    def request_mask(self, rows: list[str]) -> None:
-        """Ask for the mask of these rows (sequence ids, in the step's order)."""
-        if len(rows) > len(self._bitmask):
+    def request_mask(self, rows: list[str], at: list[int] | None = None) -> None:
+        """Ask for the mask of these rows (sequence ids, in the step's order), into bitmask
+        rows `at` (default 0, 1, ...: the mask take_mask returns)."""
+        if max(at or [len(rows) - 1], default=-1) >= len(self._bitmask):
             raise ValueError(f"{len(rows)} constrained rows; this engine masks at most "
                              f"{len(self._bitmask)} a step")
-        self._rows = rows
+        self._rows, self._at = rows, at
 
     def take_mask(self) -> tuple[GrammarMask, list[str]]:
         """The requested mask, and the sequences whose constraint completed since the last
@@ -105,28 +100,18 @@ class StructuredOutputs:
         mask's array is this object's, valid until the next take_mask."""
         import torch
 
-        rows, self._rows = self._rows or [], None
-        bitmask = self._bitmask[:len(rows)]
-        tensor = torch.from_numpy(bitmask)  # xgrammar fills torch tensors; this shares memory
-        live = []
-        for row, seq_id in enumerate(rows):
+        rows, at = self._rows, self._at or range(len(self._rows))
+        self._rows, self._at = [], None
+        tensor = torch.from_numpy(self._bitmask)  # xgrammar fills torch tensors; shared memory
+        for row, seq_id in zip(at, rows):
             matcher = self._matchers.get(seq_id)
             if matcher is None or matcher.is_terminated():
-                bitmask[row] = ALL_ALLOWED
+                self._bitmask[row] = ALL_ALLOWED
             else:
-                live.append((row, matcher))
-        if self._fill_threads > 1 and len(live) >= BATCH_FILL_ROWS:
-            import xgrammar as xgr
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(max_threads=self._fill_threads)
-            self._batch.batch_fill_next_token_bitmask([m for _, m in live], tensor,
-                                                      [row for row, _ in live])
-        else:
-            for row, matcher in live:
                 matcher.fill_next_token_bitmask(tensor, row)
         completed = sorted(self._completed)
         self._completed.clear()
-        return GrammarMask(rows, bitmask), completed
+        return GrammarMask(rows, self._bitmask[:len(rows)]), completed
 
     def release(self, seq_id: str) -> None:
         self._compiling.pop(seq_id, None)

@@ -1,17 +1,18 @@
-"""StructuredOutputs in a child process: a step's mask fills while the core's thread applies
+"""StructuredOutputs in child processes: a step's mask fills while the core's thread applies
 the step before it, hands its outputs over and schedules the next one. xgrammar holds the
-GIL while it fills, so a thread could not overlap that work; a process can.
+GIL while it fills, so a thread could not overlap that work; processes can, and several
+split a large mask between them (each sequence's matcher lives in one child).
 
-    core                                        child (`main`, in a fresh interpreter)
-    submit / advance / release   ── message ─▶  the same calls on its StructuredOutputs
-    request_mask(rows)           ── message ─▶  take_mask() fills the shared bitmask rows
+    core                                        children (`main`, fresh interpreters)
+    submit / advance / release   ── message ─▶  the same calls on the owner's StructuredOutputs
+    request_mask(rows)           ── message ─▶  each owner fills its rows of the shared bitmask
     ... schedule the next step ...
-    take_mask()                  ◀── reply ───  the sequences completed since the last one
+    take_mask()                  ◀── replies ─  the sequences completed since the last one
 
-Requests and replies go through one socket in order (advances and releases wait for the next
-request, to travel with it in one message); the bitmask through an anonymous shared memory
-file (memfd), page-locked for the GPU when `pin`. The child ends when its socket
-closes: when the core closes it, or when the core's process dies.
+Each child's requests and replies go through its socket in order (advances and releases wait
+for the next request, to travel with it in one message); the bitmask lies in an anonymous
+shared memory file (memfd) that every child maps, page-locked for the GPU when `pin`. A
+child ends when its socket closes: when the core closes it, or when the core's process dies.
 """
 from __future__ import annotations
 
@@ -29,96 +30,136 @@ import numpy as np
 
 from engine.core.batch import GrammarMask
 from engine.core.request import StructuredOutputsParams
-from engine.structured.manager import MASK_WORDS, StructuredOutputs
+from engine.structured.manager import ALL_ALLOWED, MASK_WORDS, StructuredOutputs
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `engine` package
 
 
-class GrammarProcess:
-    """The Grammars protocol of engine/core/engine_core.py, served by a child process."""
+class _Child:
+    """One child process and its end of their socket."""
 
-    def __init__(self, max_rows: int, fill_threads: int = 1, pin: bool = False) -> None:
-        size = max_rows * MASK_WORDS * 4
-        memory_fd = os.memfd_create("gpt2-serve-grammar-mask")
-        os.ftruncate(memory_fd, size)
+    def __init__(self, memory_fd: int, max_rows: int) -> None:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-        self._child = subprocess.Popen(
+        self.process = subprocess.Popen(
             [sys.executable, "-c", "import sys; from engine.structured.process import main; "
-             "main(sys.argv[1:])", str(theirs.fileno()), str(memory_fd), str(max_rows),
-             str(fill_threads)],
+             "main(sys.argv[1:])", str(theirs.fileno()), str(memory_fd), str(max_rows)],
             pass_fds=(theirs.fileno(), memory_fd), env=env)
         theirs.close()
-        self.pid = self._child.pid
-        self._memory = mmap.mmap(memory_fd, size)
-        os.close(memory_fd)
-        self._bitmask = np.ndarray((max_rows, MASK_WORDS), np.int32, self._memory)
-        self._conn = Connection(ours.detach())
-        pinned = pin and _pin(self._bitmask)
-        # on close or collection: a registration outliving its mapping would refuse the next
-        self._close = weakref.finalize(self, _stop, self._conn, self._child, self._memory,
-                                       self._bitmask.ctypes.data if pinned else None)
-        self._replies: dict[str, object] = {}  # replies read while waiting for another
+        self.conn = Connection(ours.detach())
         self._queued: list[tuple] = []  # messages without a reply, sent with the next one
-        self._rows: list[str] | None = None
+        self._replies: dict[str, object] = {}  # replies read while waiting for another
 
-    def submit(self, seq_id: str, spec: StructuredOutputsParams) -> None:
-        self._send(("submit", seq_id, spec))
+    def queue(self, message: tuple) -> None:
+        self._queued.append(message)
 
-    def take_compiled(self, timeout: float = 0.0) -> list[tuple[str, str | None]]:
-        self._send(("take_compiled", timeout))
-        return self._reply("take_compiled")
-
-    def advance(self, seq_id: str, tokens: list[int]) -> None:
-        self._queued.append(("advance", seq_id, tokens))
-
-    def request_mask(self, rows: list[str]) -> None:
-        if len(rows) > len(self._bitmask):
-            raise ValueError(f"{len(rows)} constrained rows; this engine masks at most "
-                             f"{len(self._bitmask)} a step")
-        self._send(("mask", rows))
-        self._rows = rows
-
-    def take_mask(self) -> tuple[GrammarMask, list[str]]:
-        rows, self._rows = self._rows or [], None
-        completed = self._reply("mask")
-        return GrammarMask(rows, self._bitmask[:len(rows)]), completed
-
-    def release(self, seq_id: str) -> None:
-        self._queued.append(("release", seq_id))
-
-    def close(self) -> None:
-        """Stop the child (it exits when its socket closes) and unpin the mask's memory."""
-        self._close()
-
-    def _send(self, message: tuple) -> None:
+    def send(self, message: tuple) -> None:
         """Send the queued messages and this one, in order, as one."""
         batch, self._queued = [*self._queued, message], []
         try:
-            self._conn.send(batch)
+            self.conn.send(batch)
         except OSError as err:
             raise RuntimeError(f"the grammar process is gone ({err})") from err
 
-    def _reply(self, kind: str):
+    def reply(self, kind: str):
         """The reply to the last `kind` request; replies to earlier requests come first."""
         while kind not in self._replies:
             try:
-                got, payload = self._conn.recv()
+                got, payload = self.conn.recv()
             except (EOFError, OSError) as err:
                 raise RuntimeError(f"the grammar process died (exit code "
-                                   f"{self._child.poll()})") from err
+                                   f"{self.process.poll()})") from err
             if got == "error":
                 raise RuntimeError(f"the grammar process failed: {payload}")
             self._replies[got] = payload
         return self._replies.pop(kind)
 
 
-def _stop(conn: Connection, child: subprocess.Popen, memory: mmap.mmap,
-          pinned_address: int | None) -> None:
-    conn.close()
-    child.wait(timeout=10)
+class GrammarProcess:
+    """The Grammars protocol of engine/core/engine_core.py, served by `num_children` child
+    processes; sequences go to them in turn."""
+
+    def __init__(self, max_rows: int, num_children: int = 1, pin: bool = False) -> None:
+        size = max_rows * MASK_WORDS * 4
+        memory_fd = os.memfd_create("gpt2-serve-grammar-mask")
+        os.ftruncate(memory_fd, size)
+        self._children = [_Child(memory_fd, max_rows) for _ in range(num_children)]
+        self.pids = [child.process.pid for child in self._children]
+        self._memory = mmap.mmap(memory_fd, size)
+        os.close(memory_fd)
+        self._bitmask = np.ndarray((max_rows, MASK_WORDS), np.int32, self._memory)
+        pinned = pin and _pin(self._bitmask)
+        # on close or collection: a registration outliving its mapping would refuse the next
+        self._close = weakref.finalize(self, _stop, self._children, self._memory,
+                                       self._bitmask.ctypes.data if pinned else None)
+        self._owner: dict[str, _Child] = {}  # seq id -> the child holding its grammar
+        self._compiling: dict[str, _Child] = {}
+        self._turn = 0
+        self._rows: list[str] = []
+        self._asked: list[_Child] = []  # the children filling the requested mask
+
+    def submit(self, seq_id: str, spec: StructuredOutputsParams) -> None:
+        child = self._children[self._turn % len(self._children)]
+        self._turn += 1
+        self._owner[seq_id] = self._compiling[seq_id] = child
+        child.send(("submit", seq_id, spec))
+
+    def take_compiled(self, timeout: float = 0.0) -> list[tuple[str, str | None]]:
+        """Every child with compiles under way answers; only the first waits up to
+        `timeout`."""
+        asked = list(dict.fromkeys(self._compiling.values()))
+        for i, child in enumerate(asked):
+            child.send(("take_compiled", timeout if i == 0 else 0.0))
+        results = [result for child in asked for result in child.reply("take_compiled")]
+        for seq_id, _ in results:
+            self._compiling.pop(seq_id, None)
+        return results
+
+    def advance(self, seq_id: str, tokens: list[int]) -> None:
+        child = self._owner.get(seq_id)
+        if child is not None:
+            child.queue(("advance", seq_id, tokens))
+
+    def request_mask(self, rows: list[str]) -> None:
+        if len(rows) > len(self._bitmask):
+            raise ValueError(f"{len(rows)} constrained rows; this engine masks at most "
+                             f"{len(self._bitmask)} a step")
+        shares: dict[_Child, tuple[list[str], list[int]]] = {}
+        for row, seq_id in enumerate(rows):
+            child = self._owner.get(seq_id)
+            if child is None:  # released since it was scheduled: its token is dropped
+                self._bitmask[row] = ALL_ALLOWED
+                continue
+            ids, at = shares.setdefault(child, ([], []))
+            ids.append(seq_id)
+            at.append(row)
+        for child, (ids, at) in shares.items():
+            child.send(("mask", ids, at))
+        self._rows, self._asked = rows, list(shares)
+
+    def take_mask(self) -> tuple[GrammarMask, list[str]]:
+        completed = sorted(c for child in self._asked for c in child.reply("mask"))
+        rows, self._rows, self._asked = self._rows, [], []
+        return GrammarMask(rows, self._bitmask[:len(rows)]), completed
+
+    def release(self, seq_id: str) -> None:
+        self._compiling.pop(seq_id, None)
+        child = self._owner.pop(seq_id, None)
+        if child is not None:
+            child.queue(("release", seq_id))
+
+    def close(self) -> None:
+        """Stop the children (each exits when its socket closes) and unpin the mask."""
+        self._close()
+
+
+def _stop(children: list[_Child], memory: mmap.mmap, pinned_address: int | None) -> None:
+    for child in children:
+        child.conn.close()
+    for child in children:
+        child.process.wait(timeout=10)
     if pinned_address is not None:  # `memory` is still mapped: this call holds it
         import torch
         torch.cuda.cudart().cudaHostUnregister(pinned_address)
@@ -137,9 +178,9 @@ def _pin(array: np.ndarray) -> bool:
     return code == 0
 
 
-def serve(conn: Connection, bitmask: np.ndarray, fill_threads: int) -> None:
-    """The child's loop: every message in order, until the socket closes."""
-    grammars = StructuredOutputs(len(bitmask), bitmask, fill_threads)
+def serve(conn: Connection, bitmask: np.ndarray) -> None:
+    """A child's loop: every message in order, until the socket closes."""
+    grammars = StructuredOutputs(len(bitmask), bitmask)
     while True:
         try:
             batch = conn.recv()
@@ -172,9 +213,7 @@ def _handle(conn: Connection, grammars: StructuredOutputs, message: tuple) -> No
 
 
 def main(argv: list[str]) -> None:
-    conn_fd, memory_fd, max_rows, fill_threads = (int(a) for a in argv)
+    conn_fd, memory_fd, max_rows = (int(a) for a in argv)
     memory = mmap.mmap(memory_fd, max_rows * MASK_WORDS * 4)
     os.close(memory_fd)
-    serve(Connection(conn_fd), np.ndarray((max_rows, MASK_WORDS), np.int32, memory),
-          fill_threads)
-
+    serve(Connection(conn_fd), np.ndarray((max_rows, MASK_WORDS), np.int32, memory))

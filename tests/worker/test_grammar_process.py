@@ -1,5 +1,6 @@
 """GrammarProcess serves exactly what StructuredOutputs serves in-process: the same compiles,
-masks and completed constraints for the same calls, and a clear error when its child dies."""
+masks and completed constraints for the same calls, with the sequences split between its
+children, and a clear error when a child dies."""
 import os
 import signal
 
@@ -17,7 +18,7 @@ SPECS = {"choice": StructuredOutputsParams(choice=["yes", "no"]),
 
 @pytest.fixture(scope="module")
 def process():
-    grammars = GrammarProcess(max_rows=4)
+    grammars = GrammarProcess(max_rows=4, num_children=2)  # the sequences split between them
     yield grammars
     grammars.close()
 
@@ -72,14 +73,15 @@ def test_a_step_with_more_rows_than_the_mask_holds_is_refused(process):
 
 def test_a_dead_child_is_a_clear_error():
     grammars = GrammarProcess(max_rows=1)
-    os.kill(grammars.pid, signal.SIGKILL)
+    os.kill(grammars.pids[0], signal.SIGKILL)
     with pytest.raises(RuntimeError, match="grammar process"):
-        grammars.request_mask(["a"])
-        grammars.take_mask()
+        grammars.submit("a", SPECS["choice"])
+        grammars.take_compiled(timeout=1.0)
 
 
 def test_the_child_exits_when_closed():
-    grammars = GrammarProcess(max_rows=1)
-    grammars.close()  # waits for the child
-    with pytest.raises(ProcessLookupError):
-        os.kill(grammars.pid, 0)
+    grammars = GrammarProcess(max_rows=1, num_children=2)
+    grammars.close()  # waits for the children
+    for pid in grammars.pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -42,7 +42,7 @@ def llm(request, tiny_checkpoint):
     llm = make_llm(tiny_checkpoint, **ENGINES[request.param])
     if request.param == "process":
         core = llm.engine.core
-        core.grammars = GrammarProcess(core.config.scheduler.max_num_seqs)
+        core.grammars = GrammarProcess(core.config.scheduler.max_num_seqs, num_children=2)
         yield llm
         core.grammars.close()
     else:
