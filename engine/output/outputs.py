@@ -6,27 +6,14 @@ from dataclasses import dataclass, field
 from engine.core.batch import TokenLogprobs
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Logprob:
     """vLLM's Logprob: a token's raw model logprob at one position, its rank there (1: the
-    likeliest; ties count against it) and its text."""
+    likeliest; ties count against it) and its text. Not frozen, as vLLM's: prompt logprobs
+    build two per prompt position, and a frozen init costs twice as much."""
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
-
-
-_set_logprob, _set_rank, _set_decoded_token = (
-    Logprob.__dict__[name].__set__ for name in ("logprob", "rank", "decoded_token"))
-
-
-def new_logprob(logprob: float, rank: int | None, decoded_token: str | None) -> Logprob:
-    """Logprob(...) without the frozen __init__'s per-field object.__setattr__: prompt
-    logprobs build thousands."""
-    made = Logprob.__new__(Logprob)
-    _set_logprob(made, logprob)
-    _set_rank(made, rank)
-    _set_decoded_token(made, decoded_token)
-    return made
 
 
 # vLLM's prompt logprobs: None for prompt token 0 (nothing precedes it), then per prompt

@@ -16,8 +16,8 @@ from engine.core.batch import PromptLogprobs
 from engine.core.messages import CoreRequest, SequenceOutput, StepOutput
 from engine.core.request import RequestStatus, SamplingParams
 from engine.output.detokenize import TextStream
-from engine.output.outputs import (CompletionOutput, PromptLogprobsList, RequestMetrics,
-                                   RequestOutput, new_logprob)
+from engine.output.outputs import (CompletionOutput, Logprob, PromptLogprobsList,
+                                   RequestMetrics, RequestOutput)
 from engine.output.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -86,13 +86,13 @@ class _PromptLogprobs:
             raise IndexError(f"prompt logprobs for positions {first}..{first + count - 1} of "
                              f"a {len(self.prompt_token_ids)}-token prompt")
         entries = [
-            {token: None if token in top_ids else new_logprob(logprob, rank, text[token])}
+            {token: None if token in top_ids else Logprob(logprob, rank, text[token])}
             for token, logprob, rank, top_ids in zip(tokens, chunk.token_logprobs, chunk.ranks,
                                                      chunk.top_token_ids)]
         for entry, top_ids, top_logprobs in zip(entries, chunk.top_token_ids,
                                                 chunk.top_logprobs):
             for rank, (top, top_logprob) in enumerate(zip(top_ids, top_logprobs), start=1):
-                entry[top] = new_logprob(top_logprob, rank, text[top])
+                entry[top] = Logprob(top_logprob, rank, text[top])
         self.entries[first:first + count] = entries
         self.num_missing -= count
 
