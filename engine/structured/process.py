@@ -34,6 +34,9 @@ from engine.structured.manager import ALL_ALLOWED, MASK_WORDS, StructuredOutputs
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `engine` package
+# a child fills 16 rows of a JSON schema in ~0.3 ms, well within a step's host time: fewer
+# children per step mean fewer messages
+SEQS_PER_CHILD = 16
 
 
 class _Child:
@@ -50,6 +53,7 @@ class _Child:
         theirs.close()
         self.conn = Connection(ours.detach())
         self._queued: list[tuple] = []  # messages without a reply, sent with the next one
+        self.num_seqs = 0  # sequences whose grammar it holds
         self._replies: dict[str, object] = {}  # replies read while waiting for another
 
     def queue(self, message: tuple) -> None:
@@ -79,9 +83,10 @@ class _Child:
 
 class GrammarProcess:
     """The Grammars protocol of engine/core/engine_core.py, served by `num_children` child
-    processes; sequences go to them in turn."""
+    processes."""
 
-    def __init__(self, max_rows: int, num_children: int = 1, pin: bool = False) -> None:
+    def __init__(self, max_rows: int, num_children: int = 1, pin: bool = False,
+                 seqs_per_child: int = SEQS_PER_CHILD) -> None:
         size = max_rows * MASK_WORDS * 4
         memory_fd = os.memfd_create("gpt2-serve-grammar-mask")
         os.ftruncate(memory_fd, size)
@@ -94,15 +99,21 @@ class GrammarProcess:
         # on close or collection: a registration outliving its mapping would refuse the next
         self._close = weakref.finalize(self, _stop, self._children, self._memory,
                                        self._bitmask.ctypes.data if pinned else None)
+        self._seqs_per_child = seqs_per_child
         self._owner: dict[str, _Child] = {}  # seq id -> the child holding its grammar
         self._compiling: dict[str, _Child] = {}
-        self._turn = 0
         self._rows: list[str] = []
         self._asked: list[_Child] = []  # the children filling the requested mask
 
     def submit(self, seq_id: str, spec: StructuredOutputsParams) -> None:
-        child = self._children[self._turn % len(self._children)]
-        self._turn += 1
+        """To the first child holding fewer than `seqs_per_child` sequences (else the least
+        loaded): a small mask asks one child, a large one all of them."""
+        def load(c: _Child) -> tuple[bool, int]:
+            full = c.num_seqs >= self._seqs_per_child
+            return full, c.num_seqs if full else 0
+
+        child = min(self._children, key=load)
+        child.num_seqs += 1
         self._owner[seq_id] = self._compiling[seq_id] = child
         child.send(("submit", seq_id, spec))
 
@@ -113,8 +124,11 @@ class GrammarProcess:
         for i, child in enumerate(asked):
             child.send(("take_compiled", timeout if i == 0 else 0.0))
         results = [result for child in asked for result in child.reply("take_compiled")]
-        for seq_id, _ in results:
+        for seq_id, error in results:
             self._compiling.pop(seq_id, None)
+            child = self._owner.pop(seq_id, None) if error is not None else None
+            if child is not None:  # the child holds nothing of it
+                child.num_seqs -= 1
         return results
 
     def advance(self, seq_id: str, tokens: list[int]) -> None:
@@ -148,6 +162,7 @@ class GrammarProcess:
         self._compiling.pop(seq_id, None)
         child = self._owner.pop(seq_id, None)
         if child is not None:
+            child.num_seqs -= 1
             child.queue(("release", seq_id))
 
     def close(self) -> None:

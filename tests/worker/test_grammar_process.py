@@ -18,7 +18,8 @@ SPECS = {"choice": StructuredOutputsParams(choice=["yes", "no"]),
 
 @pytest.fixture(scope="module")
 def process():
-    grammars = GrammarProcess(max_rows=4, num_children=2)  # the sequences split between them
+    # one sequence a child before any holds two: the three split between the two
+    grammars = GrammarProcess(max_rows=4, num_children=2, seqs_per_child=1)
     yield grammars
     grammars.close()
 
