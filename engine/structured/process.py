@@ -30,6 +30,7 @@ import numpy as np
 
 from engine.core.batch import GrammarMask
 from engine.core.request import StructuredOutputsParams
+from engine.structured.grammar import compiler
 from engine.structured.manager import ALL_ALLOWED, MASK_WORDS, StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,9 @@ def _pin(array: np.ndarray) -> bool:
 
 
 def serve(conn: Connection, bitmask: np.ndarray) -> None:
-    """A child's loop: every message in order, until the socket closes."""
+    """A child's loop: every message in order, until the socket closes. It sets xgrammar's
+    compiler up first (seconds of imports), so that its first grammar does not wait for it."""
+    compiler()
     grammars = StructuredOutputs(len(bitmask), bitmask)
     while True:
         try:
