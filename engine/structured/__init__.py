@@ -10,5 +10,5 @@ says why not llguidance).
     runner        sampler: only a row's allowed tokens can be drawn
 
 `StructuredOutputs` (manager.py) does it all in the core's process; `GrammarProcess`
-(process.py) in a child process, so the fill overlaps the core's thread (CUDA engines).
+(process.py) in child processes, so the fill overlaps the core's thread (CUDA engines).
 """

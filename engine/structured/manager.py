@@ -4,7 +4,7 @@ A sequence's matcher has taken exactly the output tokens the core passed to `adv
 mask `take_mask` gives is that of each row's next token. The core asks for a step's mask
 (`request_mask`) only once the step before it is applied, which keeps this true while steps
 overlap on the device. `StructuredOutputs` fills the mask when it is taken, on the caller's
-thread; engine/structured/process.py runs one in a child process, so that the fill overlaps
+thread; engine/structured/process.py runs them in child processes, so that the fill overlaps
 the core's own work (xgrammar holds the GIL while it fills).
 """
 from __future__ import annotations
