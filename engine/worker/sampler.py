@@ -125,7 +125,7 @@ class Sampler:
         seeds = (self.rng.bit_generator.random_raw(len(seqs)) >> np.uint64(1)).astype(np.int64)
         for row, s in enumerate(seqs):
             if s.params.seed is not None:
-                seeds[row] = _step_seed(s.params.seed, s.num_output_tokens)
+                seeds[row] = step_seed(s.params.seed, s.num_output_tokens)
         return temperature, seeds
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
@@ -366,7 +366,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
-def _step_seed(seed: int, step: int) -> int:
+def step_seed(seed: int, step: int) -> int:
     """A well-mixed 63-bit seed for one (request seed, output position) pair."""
     digest = hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

@@ -10,7 +10,7 @@ from engine.speculative.ngram import NgramProposer
 from engine.speculative.proposer import DraftContext
 from engine.speculative.stats import SpecDecodingStats
 from engine.worker import layers
-from engine.worker.sampler import _step_seed
+from engine.worker.sampler import step_seed
 from drafting import verify_one_hot
 from fakes import ScriptedProposer, drafts_at_rate
 
@@ -38,7 +38,7 @@ def logits_of(model, tokens: list[int], last: int) -> torch.Tensor:
 
 def position_seeds(first_output: int, count: int) -> torch.Tensor:
     """The plain sampler's seed for each output position (seeded requests)."""
-    return torch.tensor([[_step_seed(SEED, first_output + i) for i in range(count)]])
+    return torch.tensor([[step_seed(SEED, first_output + i) for i in range(count)]])
 
 
 @pytest.fixture(scope="module")

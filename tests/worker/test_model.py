@@ -176,13 +176,14 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
 def test_host_inputs_decode_fast_path_equals_general_path():
     """The list-based decode path and the numpy varlen path build identical inputs, and a
     1-token prompt chunk that does not sample is never taken for a decode."""
-    from engine.worker.inputs import _decode_host_inputs, is_decode_step, prepare_host_inputs
+    from engine.worker.inputs import is_decode_step, prepare_host_inputs
 
     params = SamplingParams()
     seqs = [ScheduledSequence("a", [7], 37, [4, 9, 2], True, params),
             ScheduledSequence("b", [3], 0, [5], True, params),
             ScheduledSequence("c", [11], 16, [1, 8], True, params)]
-    fast = _decode_host_inputs(seqs, 16, 4)
+    assert is_decode_step(seqs)  # so prepare_host_inputs takes its decode path
+    fast = prepare_host_inputs(seqs, 16, 4)
     general = prepare_host_inputs(seqs + [ScheduledSequence("d", [1, 2], 0, [3], True, params)],
                                   16, 4)
     for name in ("token_ids", "positions", "slot_mapping", "block_tables", "seq_lens"):
