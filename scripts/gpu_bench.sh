@@ -10,7 +10,8 @@
 #   latency           scripts/bench_latency.py; MODELS (default gpt2,gpt2-xl), LATENCY_ARGS
 #   offline           scripts/bench_offline.py on gpt2; NUM_PROMPTS (default 1000), OFFLINE_ARGS
 #   kernels           scripts/bench_kernels.py (kernels_<device>.{json,md})
-#   profile           scripts/profile_decode.py per model in MODELS at PROFILE_BATCH (log only)
+#   profile           scripts/profile_decode.py per model in MODELS at PROFILE_BATCH (log only);
+#                     PROFILE_ARGS (e.g. --output-kind final_only --cprofile 25)
 #   serve             scripts/bench_serve.py per model in MODELS (default gpt2); SERVE_ARGS
 #   spec              scripts/bench_spec.py, n-gram/oracle sweeps on SPEC_MODEL (default gpt2-xl);
 #                     SPEC_ARGS
@@ -52,7 +53,7 @@ for stage in "$@"; do
         latency) python3 scripts/bench_latency.py --models "${MODELS:-gpt2,gpt2-xl}" --anchor .anchor/compiled_decode_anchor.py --out "$dir" ${LATENCY_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s" ;;
         offline) python3 scripts/bench_offline.py --model gpt2 --num-prompts "${NUM_PROMPTS:-1000}" --out "$dir" ${OFFLINE_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s\]" ;;
         kernels) python3 scripts/bench_kernels.py --out "$dir" 2>&1 | tee "$log" | tail -30 ;;
-        profile) for m in ${MODELS:-gpt2 gpt2-xl}; do python3 scripts/profile_decode.py --model "$m" --batch "${PROFILE_BATCH:-1,64}" 2>&1 | grep -v "it/s"; done | tee "$log" ;;
+        profile) for m in ${MODELS:-gpt2 gpt2-xl}; do python3 scripts/profile_decode.py --model "$m" --batch "${PROFILE_BATCH:-1,64}" ${PROFILE_ARGS:-} 2>&1 | grep -v "it/s"; done | tee "$log" ;;
         serve) for m in ${MODELS:-gpt2}; do python3 scripts/bench_serve.py --model "$m" --out "$dir" ${SERVE_ARGS:-}; done 2>&1 | tee "$log" | grep -v "it/s" ;;
         spec) python3 scripts/bench_spec.py --model "${SPEC_MODEL:-gpt2-xl}" --out "$dir" ${SPEC_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s" ;;
         spec-draft) for d in ${SPEC_DRAFTS:-gpt2}; do python3 scripts/bench_spec.py --model "${SPEC_MODEL:-gpt2-xl}" --draft-model "$d" --out "$dir/$(basename "$d")" ${SPEC_ARGS:-}; done 2>&1 | tee "$log" | grep -v "it/s" ;;

@@ -1,11 +1,15 @@
 """Where a decode step's time goes: graph replay on the GPU versus each host phase of
-LLMEngine.step(), plus the number of kernels in the decode graph.
+LLMEngine.step(), plus the number of kernels in the decode graph. --cprofile N adds the N
+functions with the most own time over the host phases' steps at the largest batch.
 
-    python scripts/profile_decode.py --model gpt2 --batch 1,64
+    python scripts/profile_decode.py --model gpt2 --batch 1,64,256 --cprofile 25
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import json
 import random
 import statistics
@@ -29,7 +33,7 @@ def replay_ms(runner, batch: int, repeats: int = 200) -> float:
 
 
 def host_phases(engine: LLMEngine, batch: int, params: SamplingParams,
-                steps: int = 100) -> dict:
+                steps: int = 100, profile: cProfile.Profile | None = None) -> dict:
     """Run `steps` decode steps of `batch` requests (128-token prompts, `params` without its
     max_tokens: none ends meanwhile) through LLMEngine.step(), timing the phases it calls
     (wait overlaps the device, and so does everything after launch while the next step runs)."""
@@ -51,7 +55,10 @@ def host_phases(engine: LLMEngine, batch: int, params: SamplingParams,
     totals = []
     for _ in range(steps):
         start = time.perf_counter()
-        engine.step()
+        if profile is not None:
+            profile.runcall(engine.step)
+        else:
+            engine.step()
         totals.append((time.perf_counter() - start) * 1e3)
     for (obj, name, _), fn in zip(timed, originals):
         setattr(obj, name, fn)
@@ -103,18 +110,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2")
     parser.add_argument("--batch", default="1,64")
+    parser.add_argument("--output-kind", default="stream", help="stream, delta or final_only")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     args = parser.parse_args()
     checkpoint = checkpoint_for(args.model)
     batches = [int(b) for b in args.batch.split(",")]
     llm = LLM(model=checkpoint, device="cuda", dtype="float16", max_num_seqs=max(batches))
-    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, output_kind=args.output_kind)
     result = {}
     for batch in batches:
         result[f"b{batch}"] = {"graph_replay_ms": round(replay_ms(llm.engine.runner, batch), 4),
                                "graph_kernels": graph_kernels(llm.engine.runner, batch),
                                "host_phases_ms": host_phases(llm.engine, batch, greedy)}
         print(args.model, batch, json.dumps(result[f"b{batch}"]), flush=True)
-    print(args.model, json.dumps(result), flush=True)
+    print(args.model, args.output_kind, json.dumps(result), flush=True)
+    if args.cprofile:
+        profile = cProfile.Profile()
+        host_phases(llm.engine, max(batches), greedy, profile=profile)
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.cprofile)
+        print(text.getvalue(), flush=True)
 
 
 if __name__ == "__main__":
