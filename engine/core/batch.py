@@ -75,10 +75,12 @@ class SchedulerOutput:
     num_draft_tokens: int = 0  # the sequences' num_drafts summed (0: a step without drafts)
     apply_before_next: bool = False  # a request here may speculate: apply before the next
     has_prompt_logprobs: bool = False  # some sequence has a PromptLogprobsJob
+    num_tokens: int = -1  # the sequences' new tokens summed; -1: summed here
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.sequences)
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            object.__setattr__(self, "num_tokens",
+                               sum(len(s.token_ids) for s in self.sequences))
 
     @property
     def is_empty(self) -> bool:

@@ -178,15 +178,18 @@ class EngineCore:
         self._sample_masked(pending)
         result = pending.wait()
         changed = self.scheduler.update(scheduled, result)
-        if self.grammars is not None:
+        if self._grammar_tokens:  # constrained sequences are running
             self._advance_grammars(changed)
+        if self._completed:
             changed += self._completed
             self._completed = []
         logprobs = dict(zip(result.request_ids, result.logprobs)) if any(result.logprobs) else {}
         prompt_logprobs = result.prompt_logprobs  # a changed request's are applied ones
         return [out for request in changed
-                if (out := self._output_of(request, logprobs.get(request.request_id),
-                                           prompt_logprobs.get(request.request_id)))]
+                if (prompt_logprobs or request.status.is_finished
+                    or not request.params.defers_outputs)
+                and (out := self._output_of(request, logprobs.get(request.request_id),
+                                            prompt_logprobs.get(request.request_id)))]
 
     def _advance_grammars(self, changed: list[Request]) -> None:
         """The constrained requests' matchers take their new tokens; a finished request's
@@ -210,15 +213,14 @@ class EngineCore:
     def _output_of(self, request: Request, token_logprobs,
                    prompt_logprobs: PromptLogprobs | None = None) -> SequenceOutput | None:
         """The tokens the frontend has not seen yet and this step's prompt logprobs, or None.
-        A final_only sequence with no stop strings or logprobs gets its tokens all at its end
-        (no per-token message); prompt logprobs are never held back: the core keeps none."""
+        A sequence that `defers_outputs` gets its tokens all at its end (no per-token
+        message); prompt logprobs are never held back: the core keeps none."""
         seq_id, params = request.request_id, request.params
         sent = self._num_sent.get(seq_id)
         if sent is None:
             return None  # aborted since it was scheduled
         finished = request.status.is_finished
-        if (not finished and params.output_kind == "final_only" and not params.stop
-                and params.logprobs is None and prompt_logprobs is None):
+        if not finished and params.defers_outputs and prompt_logprobs is None:
             return None
         new_tokens = request.output_token_ids[sent:]
         if finished:

@@ -189,6 +189,12 @@ class SamplingParams:
         return frozenset(self.stop_token_ids + eos)
 
     @functools.cached_property
+    def defers_outputs(self) -> bool:
+        """A final_only sequence without stop strings or logprobs: the core reports its
+        tokens all at once when it finishes, none on the steps before."""
+        return self.output_kind == "final_only" and not self.stop and self.logprobs is None
+
+    @functools.cached_property
     def draws_from_raw_logits(self) -> bool:
         """Only the temperature stands between the raw logits and the token (greedy: their
         argmax): no logit bias, token masks, penalties, top-k/top-p/min-p or logprobs

@@ -159,6 +159,22 @@ class PriorityWaitingQueue:
         return [e for e in self._heap if self._serial_of.get(e[3].request_id) == e[2]]
 
 
+class _StepDraft:
+    """The step schedule() is building, row by row."""
+    __slots__ = ("now", "sequences", "requests", "sample_rows", "num_tokens", "num_drafts",
+                 "apply_first", "prompt_logprobs")
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.sequences: list[ScheduledSequence] = []
+        self.requests: dict[str, Request] = {}  # by id: update applies to these very requests
+        self.sample_rows: dict[str, int] = {}  # request id -> its row in the step's samples
+        self.num_tokens = 0
+        self.num_drafts = 0
+        self.apply_first = False  # a sampling request may speculate
+        self.prompt_logprobs = False  # some sequence has a PromptLogprobsJob
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  clock=time.monotonic, speculator: Speculator | None = None):
@@ -171,7 +187,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.speculator = speculator
-        self._scheduled: list[tuple[Request, int, list[int]]] = []  # (request, new, drafts)
+        self._step: _StepDraft | None = None  # the step schedule() is building
         self._step_id = 0
         self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
         self._sample_rows: dict[str, int] = {}  # request id -> its row in the last step's samples
@@ -227,37 +243,50 @@ class Scheduler:
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        self._scheduled = []
+        self._step = _StepDraft(self.clock())
         preempted: list[str] = []
         if self.speculator is not None:
             self.speculator.begin_step(len(self.running))
         budget = self._schedule_running(budget, preempted)
         if not preempted:  # memory is tight: let running requests drain first
             self._admit_waiting(budget)
-        now = self.clock()
-        sequences, requests, sample_rows, num_drafts = [], {}, {}, 0
-        speculator, apply_first, prompt_logprobs = self.speculator, False, False
-        for request, num_new, drafts in self._scheduled:
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            seq = self._describe(request, num_new, drafts)
-            num_drafts += len(drafts)
-            request.num_pending_tokens += num_new
-            request.num_pending_samples += seq.sample
-            if seq.sample:
-                sample_rows[request.request_id] = len(sample_rows)
-                apply_first |= bool(speculator and speculator.may_speculate(request))
-            prompt_logprobs |= seq.prompt_logprobs is not None
-            sequences.append(seq)
-            requests[request.request_id] = request
-        self._sample_rows = sample_rows
+        step, self._step = self._step, None
+        self._sample_rows = step.sample_rows
         self._step_id += 1
-        if sequences:
-            self._step_requests[self._step_id] = requests
-        return SchedulerOutput(sequences=sequences, preempted_ids=preempted,
-                               step_id=self._step_id, num_draft_tokens=num_drafts,
-                               apply_before_next=apply_first,
-                               has_prompt_logprobs=prompt_logprobs)
+        if step.sequences:
+            self._step_requests[self._step_id] = step.requests
+        return SchedulerOutput(sequences=step.sequences, preempted_ids=preempted,
+                               step_id=self._step_id, num_draft_tokens=step.num_drafts,
+                               apply_before_next=step.apply_first,
+                               has_prompt_logprobs=step.prompt_logprobs,
+                               num_tokens=step.num_tokens)
+
+    def _add_to_step(self, request: Request, start: int, num_new: int,
+                     drafts: list[int]) -> None:
+        """Describe the request's work from position `start` (its computed and pending
+        tokens) in the step being built, and mark it pending. Called in row order; a request
+        is never preempted once added (victims come from the tail)."""
+        step, request_id = self._step, request.request_id
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = step.now
+        if start >= request.num_tokens:  # decoding ahead: its one token is the last sample
+            seq = ScheduledSequence(request_id, [PLACEHOLDER_TOKEN], start,
+                                    self.block_manager.block_ids(request_id), True,
+                                    request.params, (), (), request.num_output_tokens + 1,
+                                    self._sample_rows[request_id])
+        else:
+            seq = self._describe(request, start, num_new, drafts)
+            step.num_drafts += len(drafts)
+            step.prompt_logprobs |= seq.prompt_logprobs is not None
+        request.num_pending_tokens += num_new
+        step.num_tokens += num_new
+        if seq.sample:
+            request.num_pending_samples += 1
+            step.sample_rows[request_id] = len(step.sample_rows)
+            if self.speculator is not None and self.speculator.may_speculate(request):
+                step.apply_first = True
+        step.sequences.append(seq)
+        step.requests[request_id] = request
 
     def _may_run_ahead(self, request: Request) -> bool:
         """Its pending token cannot end it by length, this step need not read it (penalties,
@@ -280,7 +309,8 @@ class Scheduler:
                                 and not self._may_run_ahead(request)):
                 i += 1
                 continue
-            drafts = self._drafts(request, computed, num_new, budget)
+            drafts = [] if self.speculator is None else self._drafts(request, computed,
+                                                                     num_new, budget)
             num_new += len(drafts)
             total = computed + num_new
             ahead = self._with_lookahead(total) if drafts else total
@@ -293,7 +323,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._scheduled.append((request, num_new, drafts))
+                self._add_to_step(request, computed, num_new, drafts)
                 budget -= num_new
                 i += 1
         return budget
@@ -305,7 +335,7 @@ class Scheduler:
     def _drafts(self, request: Request, computed: int, num_new: int, budget: int) -> list[int]:
         """Drafts for a request decoding its last known token, if it may speculate."""
         speculator = self.speculator
-        if (speculator is None or num_new != 1 or computed + 1 != request.num_tokens
+        if (num_new != 1 or computed + 1 != request.num_tokens
                 or not speculator.may_speculate(request)):
             return []
         return speculator.propose(request, budget - 1)
@@ -326,7 +356,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
             self._add_running(request)
-            self._scheduled.append((request, num_new, []))
+            self._add_to_step(request, num_cached, num_new, [])
             budget -= num_new
 
     def _add_running(self, request: Request) -> None:
@@ -346,14 +376,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _describe(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledSequence:
-        start = request.num_computed_tokens + request.num_pending_tokens
+    def _describe(self, request: Request, start: int, num_new: int,
+                  drafts: list[int]) -> ScheduledSequence:
+        """Work on known tokens from `start` (nothing pending): a prompt chunk, a decode
+        token, or a decode token and its drafts."""
         end = start + num_new - len(drafts)  # the known tokens end here
         num_tokens = request.num_tokens
-        if start >= num_tokens:  # decoding ahead: the one new token is the last step's sample
-            token_ids, prev_row = [PLACEHOLDER_TOKEN], self._sample_rows[request.request_id]
-        else:  # nothing pending: every token up to `end` is known
-            token_ids, prev_row = request.tokens_between(start, end) + drafts, -1
+        token_ids = request.tokens_between(start, end) + drafts
         block_ids = self.block_manager.block_ids(request.request_id)
         sample = end == num_tokens + request.num_pending_samples
         params = request.params
@@ -366,7 +395,7 @@ class Scheduler:
             sample = sample and params.max_tokens > 0  # max_tokens 0: the prompt alone
         # positional: keywords cost more on this per-sequence hot path
         return ScheduledSequence(request.request_id, token_ids, start, block_ids, sample, params,
-                                 output_ids, prompt_ids, num_output, prev_row, len(drafts), job)
+                                 output_ids, prompt_ids, num_output, -1, len(drafts), job)
 
     @staticmethod
     def _prompt_logprobs_job(request: Request, start: int, end: int) -> PromptLogprobsJob | None:
@@ -388,8 +417,9 @@ class Scheduler:
         (the step's RunnerOutput has them) or finished."""
         now = self.clock()
         sampled = dict(zip(output.request_ids, output.sampled_token_ids))
-        accepted = dict(zip(output.request_ids, output.accepted_drafts))
         requests = self._step_requests.pop(scheduled.step_id, {})
+        accepted = (dict(zip(output.request_ids, output.accepted_drafts))
+                    if scheduled.num_draft_tokens else {})
         block_size = self.block_manager.block_size
         changed = []
         for seq in scheduled.sequences:
@@ -399,28 +429,44 @@ class Scheduler:
             num_new = len(seq.token_ids)
             request.num_pending_tokens -= num_new
             request.num_pending_samples -= seq.sample
-            if seq.num_drafts:
-                self._apply_verified(request, seq, accepted[seq.request_id],
-                                     sampled[seq.request_id], now)
-                changed.append(request)
+            if seq.num_drafts or seq.prompt_logprobs is not None or not seq.sample:
+                if self._apply_described(request, seq, sampled, accepted, now):
+                    changed.append(request)
                 continue
+            # one sampled token after known or placeholder tokens: the decode fast path
             request.num_computed_tokens += num_new
             if request.num_computed_tokens % block_size < num_new:  # a block boundary passed
                 self._cache_full_blocks(request)
-            token = sampled.get(seq.request_id)
-            job = seq.prompt_logprobs
-            if job is not None:
-                request.num_prompt_logprobs_done = (seq.start_position + job.first_row
-                                                    + len(job.target_ids))
-            if token is not None:
-                self._append(request, token, now)
-            elif request.params.max_tokens == 0 and request.num_computed_tokens == len(
-                    request.prompt_token_ids):  # the whole prompt, and nothing to generate
-                self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
-            elif job is None:
-                continue  # a prompt chunk that did not reach the end
+            self._append(request, sampled[seq.request_id], now)
             changed.append(request)
         return changed
+
+    def _apply_described(self, request: Request, seq: ScheduledSequence,
+                         sampled: dict[str, int], accepted: dict[str, list[int]],
+                         now: float) -> bool:
+        """Apply a sequence with drafts, prompt logprobs or no sample (a prompt chunk); True
+        if the caller must report the request."""
+        num_new = len(seq.token_ids)
+        if seq.num_drafts:
+            self._apply_verified(request, seq, accepted[seq.request_id],
+                                 sampled[seq.request_id], now)
+            return True
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens % self.block_manager.block_size < num_new:
+            self._cache_full_blocks(request)
+        job = seq.prompt_logprobs
+        if job is not None:
+            request.num_prompt_logprobs_done = (seq.start_position + job.first_row
+                                                + len(job.target_ids))
+        token = sampled.get(seq.request_id)
+        if token is not None:
+            self._append(request, token, now)
+        elif request.params.max_tokens == 0 and request.num_computed_tokens == len(
+                request.prompt_token_ids):  # the whole prompt, and nothing to generate
+            self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+        elif job is None:
+            return False  # a prompt chunk that did not reach the end
+        return True
 
     def _append(self, request: Request, token: int, now: float) -> None:
         request.append_output_token(token)
