@@ -1,7 +1,9 @@
 """Linear layers on the GPU path: cuBLAS (F.linear) or the skinny weight-streaming GEMM, chosen
 per (N, K, M, gelu, norm), with its tile config, by a table measured on the running GPU at
 startup. The skinny kernel fuses bias and GELU, and for the pre-norm linears (QKV, FC) the
-residual add and LayerNorm, into one launch. References: `engine.worker.layers.linear` and
+residual add and LayerNorm, into one launch. An 8-bit weight (the engine's QuantizedWeight:
+`data` int8 or float8_e4m3fn [N, K], `scale` float32 [N]) takes kernels/quant_linear.py at
+every M, fused the same way. References: `engine.worker.layers.linear` and
 `engine.worker.layers.add_norm_linear`.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from triton.runtime.errors import OutOfResources
 
 from kernels.gelu import bias_gelu
 from kernels.layernorm import add_layer_norm
+from kernels.quant_linear import quant_add_norm_linear, quant_linear
 from kernels.skinny_gemm import (MAX_M, TILE_CANDIDATES, AddNorm, TileConfig, compile_skinny,
                                  skinny_add_norm_linear, skinny_linear)
 from kernels.timing import cuda_ms
@@ -32,13 +35,16 @@ SkinnyWins = Mapping[ShapeKey, TileConfig]
 
 class LinearDispatch:
     """Callable as `linear(x, weight, bias, gelu=False)`, with `add_norm_linear` beside it;
-    `skinny_wins`: shape -> the skinny tile config that beat cuBLAS (empty: never)."""
+    `skinny_wins`: shape -> the skinny tile config that beat cuBLAS (empty: never). A weight
+    that is not a tensor is 8-bit (module doc)."""
 
     def __init__(self, skinny_wins: SkinnyWins | None = None):
         self.skinny_wins = skinny_wins or {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  gelu: bool = False) -> torch.Tensor:
+        if not isinstance(weight, torch.Tensor):
+            return quant_linear(x, weight.data, weight.scale, bias, gelu)
         config = self.skinny_wins.get((weight.shape[0], weight.shape[1], x.shape[0], gelu, False))
         if config is not None:
             return skinny_linear(x, weight, bias, gelu, config)
@@ -50,6 +56,9 @@ class LinearDispatch:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(LayerNorm(x + residual)), x + residual): one skinny launch for the shapes
         it won, else the add + LayerNorm kernel and then the linear."""
+        if not isinstance(weight, torch.Tensor):
+            return quant_add_norm_linear(x, AddNorm(residual, norm_weight, norm_bias, eps),
+                                         weight.data, weight.scale, bias, gelu)
         config = self.skinny_wins.get((weight.shape[0], weight.shape[1], x.shape[0], gelu, True))
         if config is not None:
             norm = AddNorm(residual, norm_weight, norm_bias, eps)

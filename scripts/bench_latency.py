@@ -6,7 +6,8 @@ compiled plain-PyTorch anchor run in the same job.
 ms/token is the median inter-token gap of one request decoding alone (after its first token),
 greedy and at temperature 1 (a sampled token is drawn inside the decode graph too); its floor
 is the weight bytes over the measured copy bandwidth. TTFT is measured on a fresh prompt of
---ttft-len tokens (no prefix-cache hit).
+--ttft-len tokens (no prefix-cache hit). --quantization int8|fp8 serves 8-bit block linears
+(docs/quantization.md); the floor then counts their bytes at one a weight.
 """
 from __future__ import annotations
 
@@ -60,12 +61,11 @@ def batch_decode_tok_s(llm: LLM, batch: int, output_len: int, rng: random.Random
 def bench_model(name: str, args, copy_bw: float) -> dict:
     checkpoint = checkpoint_for(name)
     llm = LLM(model=checkpoint, device="cuda", dtype="float16", max_num_seqs=args.batch,
-              mixed_step_graphs=not args.no_mixed_step_graphs)
+              mixed_step_graphs=not args.no_mixed_step_graphs, quantization=args.quantization)
     rng = random.Random(0)
     generate_timed(llm, [[1] * 64] * 4, 16)  # warm-up
     ms = single_stream_ms(llm, args.output_len, rng)
-    weight_bytes, _ = model_bytes(checkpoint)
-    floor_ms = weight_bytes / copy_bw * 1e3
+    floor_ms = served_weight_bytes(checkpoint, args.quantization) / copy_bw * 1e3
     result = {"decode_ms_per_token_b1": ms, "weight_floor_ms": floor_ms,
               "ratio_to_floor": ms / floor_ms,
               "decode_ms_per_token_b1_temperature_1": single_stream_ms(llm, args.output_len, rng,
@@ -76,6 +76,15 @@ def bench_model(name: str, args, copy_bw: float) -> dict:
     del llm
     torch.cuda.empty_cache()
     return result
+
+
+def served_weight_bytes(checkpoint: str, quantization: str | None) -> int:
+    """The fp16 weights' bytes, less one a weight of the blocks' linears (12 d^2 a layer)
+    when they are 8-bit."""
+    fp16_bytes, cfg = model_bytes(checkpoint)
+    if quantization is None:
+        return fp16_bytes
+    return fp16_bytes - cfg["n_layer"] * 12 * cfg["n_embd"] ** 2
 
 
 def run_anchor(path: str) -> dict:
@@ -107,6 +116,8 @@ def main() -> None:
     parser.add_argument("--anchor", help="path to compiled_decode_anchor.py, run in this job")
     parser.add_argument("--no-mixed-step-graphs", action="store_true",
                         help="run steps with prompt tokens eagerly (TTFT's prefill among them)")
+    parser.add_argument("--quantization", choices=("int8", "fp8"),
+                        help="8-bit weights for the blocks' linears (default: fp16)")
     parser.add_argument("--out", default=str(BENCH_DIR))
     args = parser.parse_args()
     info = device_info()

@@ -25,6 +25,11 @@
 #                     soak flags SOAK_ARGS (default --concurrency 64)
 #   startup           scripts/image_style_run.sh per model in MODELS (default gpt2 gpt2-xl):
 #                     cold and warm launch-to-ready (needs the package installed: gpt2-serve)
+#   quant             scripts/bench_latency.py on QUANT_MODELS (default gpt2-xl,gpt2-large) at
+#                     fp16, int8 and fp8 (batch-1 ms/token, TTFT, batch-64 decode tok/s),
+#                     results under quant/<fp16|int8|fp8>/; QUANT_ARGS
+#   quant_tests       the 8-bit weight tests on CUDA: the kernel natively and in a CUDA graph,
+#                     the engine's kernels and graphs against the reference ops (log only)
 #   before            BEFORE_STAGES (default: latency offline) from the tree in .before/
 #                     (mkdir .before && git archive BASE | tar -x -C .before), results under
 #                     $OUT/before/, so that `gpu_bench.sh before latency offline` compares a
@@ -62,6 +67,9 @@ for stage in "$@"; do
         soak) ckpt=$(cd scripts && python3 -c "from bench_utils import checkpoint_for; print(checkpoint_for('${SOAK_MODEL:-gpt2}'))" | tail -1)
               python3 scripts/soak.py --minutes "${SOAK_MINUTES:-10}" --model "$ckpt" --server-args "--device cuda ${SOAK_SERVER_ARGS:-}" ${SOAK_ARGS:---concurrency 64} --out "$dir" 2>&1 | tee "$log" | tail -60 ;;
         startup) for m in ${MODELS:-gpt2 gpt2-xl}; do MODEL=$m OUT=$dir bash scripts/image_style_run.sh; done 2>&1 | tee "$log" | grep -v "it/s" ;;
+        quant) for q in fp16 int8 fp8; do flag=; [ "$q" = fp16 ] || flag="--quantization $q"
+                   python3 scripts/bench_latency.py --models "${QUANT_MODELS:-gpt2-xl,gpt2-large}" $flag --out "$dir/$q" ${QUANT_ARGS:-}; done 2>&1 | tee "$log" | grep -v "it/s" ;;
+        quant_tests) python3 -m pytest tests/kernels/test_quant_linear_kernel.py tests/worker/test_quantization.py -q -s 2>&1 | tee "$log" | tail -30 ;;
         before) for d in .anchor .whl checkpoints; do ln -sfn "../$d" ".before/$d"; done
                 OUT=$dir bash .before/scripts/gpu_bench.sh ${BEFORE_STAGES:-latency offline} ;;
         *) echo "unknown stage $stage" ;;

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, SCHEDULING_POLICIES,
-                                CacheConfig, ConfigError, EngineConfig, ModelConfig,
-                                SchedulerConfig, flat_field_names, load_config)
+from engine.core.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, QUANTIZATION_METHODS,
+                                SCHEDULING_POLICIES, CacheConfig, ConfigError, EngineConfig,
+                                ModelConfig, SchedulerConfig, flat_field_names, load_config)
 from server.app import ServerSettings, create_app, version
 from server.api_servers import ApiServerOptions, listening_socket, run_api_servers
 from server.chat_template import resolve_chat_template
@@ -46,6 +46,8 @@ ENGINE_FLAG_HELP = {
     "seed": "seed of requests that set none",
     "num_cpu_threads": "torch threads of the engine core on CPU; None: one per core the "
                        "server may run on (os.sched_getaffinity) but one, the API server's",
+    "quantization": "8-bit weights for the blocks' linears, quantized at load with a scale "
+                    "per output channel (vLLM's names); the memory saved goes to the KV cache",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (default: sized from free memory)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use, KV cache included",
@@ -60,6 +62,7 @@ ENGINE_FLAG_HELP = {
 }
 ENGINE_FLAG_CHOICES = {"dtype": DTYPES, "device": DEVICES,
                        "attention_backend": ATTENTION_BACKENDS,
+                       "quantization": QUANTIZATION_METHODS,
                        "scheduling_policy": SCHEDULING_POLICIES,
                        "block_size": tuple(2 ** i for i in range(11))}
 

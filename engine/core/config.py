@@ -15,6 +15,7 @@ DTYPES = ("float32", "float16", "bfloat16", "auto")
 DEVICES = ("cpu", "cuda", "auto")
 ATTENTION_BACKENDS = ("torch", "triton", "auto")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+QUANTIZATION_METHODS = ("int8", "fp8")  # vLLM's names; docs/quantization.md
 MAX_CONTEXT = 1024  # every GPT-2 size has 1024 learned positions
 
 
@@ -39,6 +40,9 @@ class ModelConfig:
     seed: int = 0
     # torch threads of the engine core on CPU; None: the usable cores less one (the API server's)
     num_cpu_threads: int | None = None
+    # 8-bit weights of the blocks' linears, quantized at load (int8 or fp8 e4m3, per output
+    # channel); None: the checkpoint's weights at `dtype`
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model", self.model, "must name a hub id or a directory")
@@ -49,6 +53,8 @@ class ModelConfig:
         _check(self.num_cpu_threads is None or (_is_int(self.num_cpu_threads)
                and self.num_cpu_threads >= 1), "num_cpu_threads", self.num_cpu_threads,
                "an integer >= 1, or None (the cores this process may run on)")
+        _check(self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+               "quantization", self.quantization, f"None or one of {QUANTIZATION_METHODS}")
 
 
 @dataclass(frozen=True)

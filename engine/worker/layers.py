@@ -1,6 +1,7 @@
 """The model's elementwise building blocks as a swappable `Ops`: `TORCH_OPS` is the PyTorch
 reference, `triton_ops.triton_ops()` fused kernels with the same signatures. The model gets
-one `Ops` at construction (no global switch).
+one `Ops` at construction (no global switch). A linear's weight is a tensor or, with
+quantization on, a `QuantizedWeight`; every `Ops` linear takes either.
 """
 from __future__ import annotations
 
@@ -10,6 +11,21 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear's weight in 8 bits (engine/worker/quantization.py makes them): `data` int8 or
+    float8_e4m3fn [out, in] (F.linear's layout), `scale` float32 [out], so that
+    weight[n] ~= data[n] * scale[n]. `shape` is the weight's, as a tensor's."""
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.data.float() * self.scale[:, None]).to(dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -29,14 +45,18 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(x + bias, approximate="tanh")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor,
            gelu: bool = False) -> torch.Tensor:
-    """x @ weight.T + bias (weight in F.linear's [out, in] layout), then GELU(tanh) if asked."""
+    """x @ weight.T + bias (weight in F.linear's [out, in] layout), then GELU(tanh) if asked.
+    A QuantizedWeight is dequantized to x's dtype first (kernels/quant_linear.py's kernel
+    dequantizes in registers instead)."""
+    if isinstance(weight, QuantizedWeight):
+        weight = weight.dequantize(x.dtype)
     return bias_gelu(F.linear(x, weight), bias) if gelu else F.linear(x, weight, bias)
 
 
 def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                    norm_bias: torch.Tensor, eps: float, weight: torch.Tensor,
+                    norm_bias: torch.Tensor, eps: float, weight: torch.Tensor | QuantizedWeight,
                     bias: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(LayerNorm(x + residual), weight, bias, gelu), x + residual): the pre-norm
     block entry, one launch in a decode kernel."""

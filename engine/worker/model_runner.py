@@ -24,6 +24,7 @@ from engine.worker.inputs import is_decode_step, prepare_host_inputs, take_place
 from engine.worker.kv_sizing import kv_block_bytes
 from engine.worker.models.gpt2 import GPT2Config, KVCache, load_gpt2
 from engine.worker.prompt_logprobs import PromptLogprobsOutput, compute_prompt_logprobs
+from engine.worker.quantization import quantize_linears
 from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput
 from engine.worker.speculation import NO_SPECULATION, Speculation, StepPlan
 from engine.worker.startup import StartupCache, StartupPhases, default_cache_dir
@@ -47,11 +48,14 @@ class ModelRunner:
             torch.empty(1, device=self.device)
             self.startup.add("CUDA init", time.perf_counter() - start)
         start = time.perf_counter()
-        ops, table_source = ops_for(self.attention_backend, model_config.linear_shapes, config,
+        quantization = config.model.quantization  # its linears need no skinny-GEMM table
+        ops, table_source = ops_for(self.attention_backend,
+                                    [] if quantization else model_config.linear_shapes, config,
                                     self.dtype, self.device, self.startup_cache)
         table_seconds = time.perf_counter() - start
         self.model = load_gpt2(model_dir, model_config, self.dtype, self.device, ops,
                                get_attention_backend(self.attention_backend))
+        quantize_linears(self.model, quantization)
         self.startup.add("load", time.perf_counter() - start - table_seconds)
         if table_source is not None:
             self.startup.add("skinny table", table_seconds, table_source)

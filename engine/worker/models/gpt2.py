@@ -9,6 +9,9 @@ embedding enters as the first branch and the position embedding as the first res
     out, _ = add_ln_f(hidden, residual)
 
 Weights use F.linear's [out, in] layout (HF's Conv1D stores [in, out]; the loader transposes).
+With quantization on, the blocks' four linears are QuantizedLinears (engine/worker/
+quantization.py, after the load): their `weight` is a QuantizedWeight, which `ops` takes as it
+takes a tensor.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from torch import nn
 
 from engine.worker.attention import AttentionBackend, AttentionMetadata
 from engine.worker.layers import LinearShape, Ops
+from engine.worker.quantization import QuantizedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
@@ -143,7 +147,7 @@ class Block(nn.Module):
 
 
 def _add_norm_linear(ops: Ops, x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm,
-                     linear: nn.Linear, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     linear: nn.Linear | QuantizedLinear, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return ops.add_norm_linear(x, residual, norm.weight, norm.bias, norm.eps, linear.weight,
                                linear.bias, gelu)
 

@@ -1,0 +1,163 @@
+"""The 8-bit weight-only linear kernel against its reference, int8 and fp8, on every path: one
+x tile with split-K, several M tiles, the fused add + LayerNorm, and (CUDA) a captured graph."""
+import pytest
+import torch
+
+from engine.worker.layers import add_norm_linear as add_norm_linear_reference
+from engine.worker.layers import linear as linear_reference
+from engine.worker.quantization import quantize_weight
+from kernel_cases import DEVICE, DTYPES, INTERPRET, tol
+from kernels.quant_linear import (MAX_TILE_M, quant_add_norm_linear,
+                                  quant_add_norm_linear_reference, quant_linear,
+                                  quant_linear_reference)
+from kernels.linear import LinearDispatch
+from kernels.skinny_gemm import AddNorm, TileConfig
+
+METHODS = ["int8", "fp8"]
+# (N, K): split-K on few tiles with K not a multiple of 32; more tiles, shorter K
+SHAPES = [(96, 208), (130, 64)]
+# one x tile (1, 16 rows; 40: past the skinny GEMM's 16), and 2 M tiles of 128 (130)
+BATCHES = [1, 16, 40, 130]
+if not INTERPRET:
+    SHAPES += [(2304, 768), (768, 3072), (6400, 1600), (1600, 6400)]
+    BATCHES += [5, 64, 256]
+
+
+def _weight(n: int, k: int, method: str):
+    return quantize_weight(torch.randn(n, k, device=DEVICE) / k ** 0.5, method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", BATCHES)
+def test_quant_linear_bias_gelu(method, dtype, n, k, m):
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    weight = _weight(n, k, method)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    out = quant_linear(x, weight.data, weight.scale, bias, True)
+    expected = quant_linear_reference(x, weight.data, weight.scale, bias, True)
+    torch.testing.assert_close(out, expected, **tol(dtype))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("m", [3, 130])
+def test_quant_linear_without_bias(method, m):
+    x = torch.randn(m, 208, device=DEVICE).to(torch.float16)
+    weight = _weight(96, 208, method)
+    out = quant_linear(x, weight.data, weight.scale)
+    torch.testing.assert_close(out, quant_linear_reference(x, weight.data, weight.scale),
+                               **tol(torch.float16))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, MAX_TILE_M - 2, MAX_TILE_M])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_quant_add_norm_linear(method, dtype, m, gelu):
+    """Fused up to MAX_TILE_M - 2 rows, the add + LayerNorm kernel first beyond. The new
+    residual matches the unfused add (exactly where fused: one rounding of the same sum);
+    the output matches the fp32 reference on that residual, as the skinny GEMM's test says
+    why. The residual's mean sits 20 standard deviations from zero."""
+    k, n = 208, 96
+    x, residual = (torch.randn(m, k, device=DEVICE).to(dtype) for _ in range(2))
+    residual += 20.0
+    norm = AddNorm(residual, torch.randn(k, device=DEVICE).to(dtype),
+                   torch.randn(k, device=DEVICE).to(dtype), 1e-5)
+    weight = _weight(n, k, method)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    out, summed = quant_add_norm_linear(x, norm, weight.data, weight.scale, bias, gelu)
+    expected_sum = quant_add_norm_linear_reference(x, norm, weight.data, weight.scale, bias,
+                                                   gelu)[1]
+    fp32_norm = AddNorm(torch.zeros_like(summed, dtype=torch.float32), norm.weight.float(),
+                        norm.bias.float(), norm.eps)
+    expected = quant_add_norm_linear_reference(summed.float(), fp32_norm, weight.data,
+                                               weight.scale, bias.float(), gelu)[0].to(dtype)
+    if dtype == torch.float32 or m + 2 <= MAX_TILE_M:
+        torch.testing.assert_close(out, expected, **_norm_tol(dtype))
+    else:  # the unfused path rounds the normalised input to dtype first
+        torch.testing.assert_close(out, expected, atol=5e-2, rtol=2e-2)
+    if INTERPRET and dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16
+        torch.testing.assert_close(summed, expected_sum, **tol(dtype))
+    else:
+        assert torch.equal(summed, expected_sum)
+
+
+def _norm_tol(dtype: torch.dtype) -> dict:
+    """tol(), but the interpreter's truncating bf16 casts bias gamma * d (skinny GEMM test)."""
+    return dict(atol=6e-2, rtol=1e-2) if INTERPRET and dtype == torch.bfloat16 else tol(dtype)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("config", [TileConfig(16, 32, 2, 2, 1), TileConfig(32, 16, 4, 3, 1)])
+def test_quant_small_tiles_split_k(method, config):
+    """Narrow W tiles and short K steps: many splits, plain and with the fused norm."""
+    k, n, m = 208, 96, 7
+    x, residual = (torch.randn(m, k, device=DEVICE).to(torch.float16) for _ in range(2))
+    weight = _weight(n, k, method)
+    bias = torch.randn(n, device=DEVICE).to(torch.float16)
+    torch.testing.assert_close(quant_linear(x, weight.data, weight.scale, bias, True, config),
+                               quant_linear_reference(x, weight.data, weight.scale, bias, True),
+                               **tol(torch.float16))
+    norm = AddNorm(residual, torch.ones(k, device=DEVICE).to(torch.float16),
+                   torch.zeros(k, device=DEVICE).to(torch.float16), 1e-5)
+    out, summed = quant_add_norm_linear(x, norm, weight.data, weight.scale, bias, False, config)
+    fp32_norm = AddNorm(torch.zeros_like(summed, dtype=torch.float32), norm.weight.float(),
+                        norm.bias.float(), 1e-5)
+    expected = quant_add_norm_linear_reference(summed.float(), fp32_norm, weight.data,
+                                               weight.scale, bias.float())[0]
+    torch.testing.assert_close(out, expected.half(), **tol(torch.float16))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("m", [1, 130])
+def test_dispatch_serves_a_quantized_weight_like_the_engine_reference(method, m):
+    """The engine's QuantizedWeight through LinearDispatch (the Triton backend's linears)
+    against engine.worker.layers' reference, which dequantizes; a measured skinny table
+    does not apply to it."""
+    k, n = 208, 96
+    x, residual = (torch.randn(m, k, device=DEVICE) for _ in range(2))
+    ln_w, ln_b, bias = (torch.randn(d, device=DEVICE) for d in (k, k, n))
+    weight = _weight(n, k, method)
+    dispatch = LinearDispatch({(n, k, m, True, norm): TileConfig() for norm in (False, True)})
+    torch.testing.assert_close(dispatch(x, weight, bias, True),
+                               linear_reference(x, weight, bias, True), **tol(torch.float32))
+    out, summed = dispatch.add_norm_linear(x, residual, ln_w, ln_b, 1e-5, weight, bias, True)
+    expected, expected_sum = add_norm_linear_reference(x, residual, ln_w, ln_b, 1e-5, weight,
+                                                       bias, True)
+    torch.testing.assert_close(out, expected, **tol(torch.float32))
+    torch.testing.assert_close(summed, expected_sum, **tol(torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs")
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("m", [1, 8, 48, 200])
+def test_quant_linears_replay_in_a_cuda_graph(method, m):
+    """Captured (after one eager run) and replayed on new inputs in place: no host sync and
+    no allocation break the capture, and the split reductions' counters come back to zero."""
+    k, n = 1600, 6400
+    x, residual = (torch.randn(m, k, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    norm = AddNorm(residual, torch.randn(k, device=DEVICE, dtype=torch.float16),
+                   torch.randn(k, device=DEVICE, dtype=torch.float16), 1e-5)
+    fc, proj = _weight(n, k, method), _weight(k, n, method)
+    fc_bias, proj_bias = (torch.randn(d, device=DEVICE, dtype=torch.float16) for d in (n, k))
+
+    def layer():
+        hidden, summed = quant_add_norm_linear(x, norm, fc.data, fc.scale, fc_bias, True)
+        return quant_linear(hidden, proj.data, proj.scale, proj_bias), summed
+
+    layer()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, summed = layer()
+    x.copy_(torch.randn_like(x))
+    residual.copy_(torch.randn_like(residual))
+    graph.replay()
+    torch.cuda.synchronize()
+    hidden, expected_sum = quant_add_norm_linear_reference(x, norm, fc.data, fc.scale, fc_bias,
+                                                           True)
+    expected = quant_linear_reference(hidden, proj.data, proj.scale, proj_bias)
+    assert torch.equal(summed, expected_sum)
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=2e-2)
