@@ -420,7 +420,6 @@ class Scheduler:
         requests = self._step_requests.pop(scheduled.step_id, {})
         accepted = (dict(zip(output.request_ids, output.accepted_drafts))
                     if scheduled.num_draft_tokens else {})
-        block_size = self.block_manager.block_size
         changed = []
         for seq in scheduled.sequences:
             request = requests[seq.request_id]  # the very request scheduled (ids may be reused)
@@ -434,9 +433,7 @@ class Scheduler:
                     changed.append(request)
                 continue
             # one sampled token after known or placeholder tokens: the decode fast path
-            request.num_computed_tokens += num_new
-            if request.num_computed_tokens % block_size < num_new:  # a block boundary passed
-                self._cache_full_blocks(request)
+            self._computed(request, num_new)
             self._append(request, sampled[seq.request_id], now)
             changed.append(request)
         return changed
@@ -451,9 +448,7 @@ class Scheduler:
             self._apply_verified(request, seq, accepted[seq.request_id],
                                  sampled[seq.request_id], now)
             return True
-        request.num_computed_tokens += num_new
-        if request.num_computed_tokens % self.block_manager.block_size < num_new:
-            self._cache_full_blocks(request)
+        self._computed(request, num_new)
         job = seq.prompt_logprobs
         if job is not None:
             request.num_prompt_logprobs_done = (seq.start_position + job.first_row
@@ -467,6 +462,12 @@ class Scheduler:
         elif job is None:
             return False  # a prompt chunk that did not reach the end
         return True
+
+    def _computed(self, request: Request, num_new: int) -> None:
+        """num_new more tokens have KV; blocks they filled join the prefix cache."""
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens % self.block_manager.block_size < num_new:
+            self._cache_full_blocks(request)  # a block boundary passed
 
     def _append(self, request: Request, token: int, now: float) -> None:
         request.append_output_token(token)
