@@ -21,7 +21,7 @@ from typing import Annotated, Any
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, create_model
 
 from engine.core.batch import TokenLogprobs
@@ -30,8 +30,8 @@ from engine.output.outputs import CompletionOutput, RequestOutput
 from engine.output.tokenizer import Tokenizer
 from server.engine_client import Generation
 from server.chat_template import compile_template, render_chat
-from server.completions import (CompletionService, collect_outputs, merge_deltas,
-                                off_loop_if_long, sse_event, stream_events)
+from server.completions import (ChunkFrame, CompletionService, SSEResponse, collect_outputs,
+                                merge_deltas, off_loop_if_long, sse_event, stream_events)
 from server.protocol import (INT64_MAX, CompletionRequest, Limits, PromptLogprobsJSON,
                              RequestError, Usage, check_field_support, finite_logprob,
                              parse_completion_request, parse_model, prompt_logprobs_json,
@@ -249,8 +249,7 @@ class ChatService:
         reply = _ChatReply(self.completions, req, response_id, prompt,
                            _echo_text(req, messages))
         if req.stream:
-            return StreamingResponse(reply.stream(generation, watcher),
-                                     media_type="text/event-stream")
+            return SSEResponse(reply.stream(generation, watcher))
         return await reply.collect(generation, watcher)
 
     async def tokenize(self, body: Any) -> list[int]:
@@ -387,6 +386,7 @@ class _ChatReply:
         options = req.stream_options
         # vLLM asks for include_usage too; here either works alone, as on /v1/completions
         self.continuous_usage = bool(options and options.continuous_usage_stats)
+        self.frame = ChunkFrame(self._chunk_of([]))
 
     async def collect(self, generation: Generation, watcher: asyncio.Task[None]) -> Response:
         finals = await collect_outputs(generation, watcher)
@@ -410,15 +410,24 @@ class _ChatReply:
                watcher: asyncio.Task[None]) -> AsyncIterator[bytes]:
         return stream_events(generation, watcher, self._events, self._closing)
 
-    def _events(self, ready: list[tuple[int, RequestOutput]]) -> Iterator[bytes]:
+    def _events(self, ready: list[tuple[int, RequestOutput]]) -> bytes:
+        """One chunk per choice these outputs changed (after the opening ones), as one
+        piece."""
         self.finals.update(ready)
+        events = []
         if not self.opened:
             self.opened = True
-            yield from self._opening()
+            events += self._opening()
         for _, choice in merge_deltas(ready):
             chunk = self._delta_choice(choice)
             if chunk is not None:
-                yield self._chunk([chunk], self._usage_so_far(chunk.index))
+                events.append(self._event(chunk))
+        return b"".join(events)
+
+    def _event(self, chunk: ChatStreamChoice) -> bytes:
+        if not self.continuous_usage:
+            return self.frame.event(chunk)
+        return self._chunk([chunk], self._usage_so_far(chunk.index))
 
     def _opening(self) -> Iterator[bytes]:
         """Each choice's first chunk holds the role (and no text), and with return_token_ids
@@ -432,31 +441,40 @@ class _ChatReply:
             yield self._chunk([ChatStreamChoice(index, ChatDelta(content=self.echo))],
                               self._usage_so_far(index))
 
-    def _closing(self) -> Iterator[bytes]:
+    def _closing(self) -> bytes:
         if self.req.stream_options and self.req.stream_options.include_usage:
-            yield self._chunk([], self.usage())
+            return self._chunk([], self.usage())
+        return b""
 
     def _delta_choice(self, choice: CompletionOutput) -> ChatStreamChoice | None:
         """The chunk for what this step added to one choice, or None if nothing to send."""
-        finishing = choice.finished and choice.index not in self.finish_sent
+        finishing = choice.finish_reason is not None and choice.index not in self.finish_sent
         if not (choice.delta_text or choice.delta_token_ids or finishing):
             return None
         if finishing:
             self.finish_sent.add(choice.index)
-        self.completion_tokens[choice.index] = (self.completion_tokens.get(choice.index, 0)
-                                                + len(choice.delta_token_ids))
-        return ChatStreamChoice(
-            index=choice.index, delta=ChatDelta(content=choice.delta_text),
-            logprobs=self._logprobs(choice.delta_token_ids, choice.delta_logprobs),
-            finish_reason=choice.finish_reason if finishing else None,
-            stop_reason=choice.stop_reason if finishing else None,
-            token_ids=self._token_ids(choice.delta_token_ids))
+        if self.continuous_usage:
+            self.completion_tokens[choice.index] = (self.completion_tokens.get(choice.index, 0)
+                                                    + len(choice.delta_token_ids))
+        chunk = ChatStreamChoice(choice.index, ChatDelta(content=choice.delta_text),
+                                 finish_reason=choice.finish_reason if finishing else None,
+                                 stop_reason=choice.stop_reason if finishing else None)
+        if self.req.logprobs:
+            chunk.logprobs = self._logprobs(choice.delta_token_ids, choice.delta_logprobs)
+        if self.req.return_token_ids:
+            chunk.token_ids = list(choice.delta_token_ids)
+        return chunk
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None,
                prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET) -> bytes:
-        return sse_event(ChatCompletionChunk(id=self.response_id, created=self.created,
-                                             model=self.service.model_name, choices=choices,
-                                             usage=usage, prompt_token_ids=prompt_token_ids))
+        return sse_event(self._chunk_of(choices, usage, prompt_token_ids))
+
+    def _chunk_of(self, choices: list[ChatStreamChoice], usage: Usage | None = None,
+                  prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+                  ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.response_id, created=self.created,
+                                   model=self.service.model_name, choices=choices, usage=usage,
+                                   prompt_token_ids=prompt_token_ids)
 
     def _usage_so_far(self, index: int) -> Usage | None:
         """stream_options.continuous_usage_stats: the prompt and one choice's tokens so far,

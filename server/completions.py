@@ -11,15 +11,17 @@ generating anything (SamplingParams.max_tokens 0).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from engine.core.batch import TokenLogprobs
 from engine.core.request import SamplingParams, StructuredOutputsParams
@@ -42,6 +44,36 @@ T = TypeVar("T")
 def sse_event(payload: Any) -> bytes:
     """One Server-Sent Event holding `payload` as JSON (NaN/inf written as null)."""
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+class ChunkFrame:
+    """The bytes around the one choice of a streamed chunk that holds no usage:
+    `head + json(choice) + tail` is byte for byte the event sse_event writes for that chunk,
+    as both are cut from such an event. A chunk's Python work is then one encode."""
+
+    def __init__(self, empty_chunk: Any) -> None:
+        """`empty_chunk`: the stream's chunk with `choices` empty and no usage."""
+        event = sse_event(empty_chunk)
+        cut = event.rindex(b'"choices":[]') + len(b'"choices":[')  # no string holds it unescaped
+        self.head, self.tail = event[:cut], event[cut:]
+
+    def event(self, choice: Any) -> bytes:
+        return self.head + msgspec.json.encode(choice) + self.tail
+
+
+class SSEResponse(StreamingResponse):
+    """A generation's event stream. Unlike StreamingResponse it starts no task listening for
+    the client's disconnect (with an anyio cancel scope, per request): the request's own
+    watcher (`CompletionService.submit`) hears it and ends the body, and uvicorn drops
+    whatever is sent to a closed connection. The body is sent from a task of its own, so
+    each chunk's wakeup resumes that task's few coroutines rather than every middleware's
+    (cancelling the request's task cancels it too)."""
+
+    def __init__(self, body: AsyncIterator[bytes]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await asyncio.ensure_future(self.stream_response(send))
 
 
 class CompletionService:
@@ -70,8 +102,7 @@ class CompletionService:
             generation, watcher = self.submit(http_request, engine_id, prompts, params,
                                               req.cache_salt, req.priority or 0)
         if req.stream:
-            return StreamingResponse(reply.stream(generation, watcher),
-                                     media_type="text/event-stream")
+            return SSEResponse(reply.stream(generation, watcher))
         return await reply.collect(generation, watcher)
 
     def submit(self, http_request: Request, engine_id: str, prompts: list[list[int]],
@@ -163,6 +194,9 @@ async def _cancel_on_disconnect(http_request: Request, generation: Generation) -
 def merge_deltas(ready: list[tuple[int, RequestOutput]]) -> list[tuple[int, CompletionOutput]]:
     """Per (prompt, choice), everything these outputs added, as one delta: a stream that fell
     behind sends one chunk per choice, not one per engine step."""
+    if len(ready) == 1:  # the usual batch, one step's output: nothing to merge
+        prompt_index, output = ready[0]
+        return list(zip(itertools.repeat(prompt_index), output.outputs))
     steps: dict[tuple[int, int], list[CompletionOutput]] = {}
     for prompt_index, output in ready:
         for choice in output.outputs:
@@ -177,9 +211,9 @@ def _joined(choices: list[CompletionOutput]) -> CompletionOutput:
         return last
     logprobs = None if all(c.delta_logprobs is None for c in choices) else \
         [entry for c in choices for entry in c.delta_logprobs or ()]
-    return replace(last, delta_text="".join(c.delta_text for c in choices),
-                   delta_token_ids=[t for c in choices for t in c.delta_token_ids],
-                   delta_logprobs=logprobs)
+    return msgspec.structs.replace(
+        last, delta_text="".join(c.delta_text for c in choices),
+        delta_token_ids=[t for c in choices for t in c.delta_token_ids], delta_logprobs=logprobs)
 
 
 def finish(generation: Generation, watcher: asyncio.Task[None]) -> None:
@@ -205,23 +239,21 @@ async def collect_outputs(generation: Generation, watcher: asyncio.Task[None]
 
 
 async def stream_events(generation: Generation, watcher: asyncio.Task[None],
-                        events_of: Callable[[list[tuple[int, RequestOutput]]], Iterable[bytes]],
-                        closing: Callable[[], Iterable[bytes]]) -> AsyncIterator[bytes]:
+                        events_of: Callable[[list[tuple[int, RequestOutput]]], bytes],
+                        closing: Callable[[], bytes]) -> AsyncIterator[bytes]:
     """An SSE body: `events_of(ready)` for each batch of outputs, `closing()` once they are
     all done, then [DONE]. A failed request ends with its error event and [DONE]; a client
-    that went away ends it silently."""
+    that went away ends it silently. Each batch's events go out as one piece (one write)."""
     try:
         async for ready in generation:
-            for event in events_of(ready):
-                yield event
-        for event in closing():
-            yield event
-        yield SSE_DONE
+            events = events_of(ready)
+            if events:
+                yield events
+        yield closing() + SSE_DONE
     except ClientDisconnected:
         return
     except RequestFailed as exc:
-        yield sse_event(exc.error.body())
-        yield SSE_DONE
+        yield sse_event(exc.error.body()) + SSE_DONE
     finally:
         finish(generation, watcher)
 
@@ -234,9 +266,13 @@ class _Reply:
         self.service, self.req, self.request_id, self.prompts = service, req, request_id, prompts
         self.n = req.n or 1
         self.created = int(time.time())
+        # a chunk carries its text alone, once its choice has started (the echo goes first)
+        self.plain = req.logprobs is None and not req.return_token_ids
+        self.continuous_usage = req.continuous_usage
+        self.frame = ChunkFrame(self._response([], None))
         self.finals: dict[int, RequestOutput] = {}  # latest output per prompt
         self.text_offsets: dict[int, int] = {}  # per choice index, for logprobs
-        self.completion_tokens: dict[int, int] = {}  # per choice index, sent so far
+        self.completion_tokens: dict[int, int] = {}  # per choice index, sent so far (usage)
         self.started: set[int] = set()  # choices whose first chunk is built
         self.finish_sent: set[int] = set()
 
@@ -262,8 +298,8 @@ class _Reply:
             for i, prompt in enumerate(self.prompts)]
         if not self.req.stream:
             return self._whole_response(dict(ready))
-        events = [*self._events(ready), *self._closing(), SSE_DONE]
-        return StreamingResponse(iter(events), media_type="text/event-stream")
+        events = self._events(ready) + self._closing() + SSE_DONE
+        return StreamingResponse(iter([events]), media_type="text/event-stream")
 
     def _whole_response(self, finals: dict[int, RequestOutput]) -> Response:
         self.finals = finals
@@ -277,17 +313,23 @@ class _Reply:
                watcher: asyncio.Task[None]) -> AsyncIterator[bytes]:
         return stream_events(generation, watcher, self._events, self._closing)
 
-    def _events(self, ready: list[tuple[int, RequestOutput]]) -> Iterator[bytes]:
+    def _events(self, ready: list[tuple[int, RequestOutput]]) -> bytes:
+        """One chunk per choice these outputs changed, as one piece."""
         self.finals.update(ready)
+        events = []
         for prompt_index, choice in merge_deltas(ready):
             chunk = self._delta_choice(prompt_index, choice)
             if chunk is not None:
-                yield sse_event(self._response([chunk], self._usage_so_far(prompt_index,
-                                                                           chunk.index)))
+                events.append(self._event(prompt_index, chunk))
+        return b"".join(events)
 
-    def _closing(self) -> Iterator[bytes]:
-        if self.req.include_usage:
-            yield sse_event(self._response([], self.usage()))
+    def _event(self, prompt_index: int, chunk: CompletionChoice) -> bytes:
+        if not self.continuous_usage:
+            return self.frame.event(chunk)
+        return sse_event(self._response([chunk], self._usage_so_far(prompt_index, chunk.index)))
+
+    def _closing(self) -> bytes:
+        return sse_event(self._response([], self.usage())) if self.req.include_usage else b""
 
     def _response(self, choices: list[CompletionChoice],
                   usage: Usage | None) -> CompletionResponse:
@@ -300,11 +342,9 @@ class _Reply:
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
                      total_tokens=prompt_tokens + completion)
 
-    def _usage_so_far(self, prompt_index: int, index: int) -> Usage | None:
+    def _usage_so_far(self, prompt_index: int, index: int) -> Usage:
         """stream_options.continuous_usage_stats: one choice's usage up to this chunk (its
         prompt, its tokens so far), as vLLM counts it."""
-        if not self.req.continuous_usage:
-            return None
         prompt_tokens, completion = len(self.prompts[prompt_index]), self.completion_tokens[index]
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
                      total_tokens=prompt_tokens + completion)
@@ -313,35 +353,40 @@ class _Reply:
         index = prompt_index * self.n + choice.index
         first = self._starts(index)
         prefix = self._echo_prefix(prompt_index, first)
-        return CompletionChoice(index=index, text=prefix + choice.text,
-                                logprobs=self._logprobs(index, choice.token_ids,
-                                                        choice.logprobs, len(prefix),
-                                                        self._echoed(prompt_index, first)),
-                                finish_reason=choice.finish_reason,
-                                stop_reason=choice.stop_reason,
-                                **self._token_ids(prompt_index, first, choice.token_ids),
-                                **self._prompt_logprobs(prompt_index))
+        whole = CompletionChoice(index=index, text=prefix + choice.text,
+                                 logprobs=self._logprobs(index, choice.token_ids,
+                                                         choice.logprobs, len(prefix),
+                                                         self._echoed(prompt_index, first)),
+                                 finish_reason=choice.finish_reason,
+                                 stop_reason=choice.stop_reason,
+                                 **self._prompt_logprobs(prompt_index))
+        self._add_token_ids(whole, prompt_index, first, choice.token_ids)
+        return whole
 
     def _delta_choice(self, prompt_index: int,
                       choice: CompletionOutput) -> CompletionChoice | None:
         """The chunk for what this step added to one choice, or None if nothing to send."""
         index = prompt_index * self.n + choice.index
-        finishing = choice.finished and index not in self.finish_sent
+        finishing = choice.finish_reason is not None and index not in self.finish_sent
         if not (choice.delta_text or choice.delta_token_ids or finishing):
             return None
         if finishing:
             self.finish_sent.add(index)
-        self.completion_tokens[index] = (self.completion_tokens.get(index, 0)
-                                         + len(choice.delta_token_ids))
+        if self.continuous_usage:
+            self.completion_tokens[index] = (self.completion_tokens.get(index, 0)
+                                             + len(choice.delta_token_ids))
+        chunk = CompletionChoice(index, choice.delta_text,
+                                 finish_reason=choice.finish_reason if finishing else None,
+                                 stop_reason=choice.stop_reason if finishing else None)
+        if self.plain and index in self.started:
+            return chunk
         first = self._starts(index)
         prefix = self._echo_prefix(prompt_index, first)
-        return CompletionChoice(
-            index=index, text=prefix + choice.delta_text,
-            logprobs=self._logprobs(index, choice.delta_token_ids, choice.delta_logprobs,
-                                    len(prefix), self._echoed(prompt_index, first)),
-            finish_reason=choice.finish_reason if finishing else None,
-            stop_reason=choice.stop_reason if finishing else None,
-            **self._token_ids(prompt_index, first, choice.delta_token_ids))
+        chunk.text = prefix + chunk.text
+        chunk.logprobs = self._logprobs(index, choice.delta_token_ids, choice.delta_logprobs,
+                                        len(prefix), self._echoed(prompt_index, first))
+        self._add_token_ids(chunk, prompt_index, first, choice.delta_token_ids)
+        return chunk
 
     def _starts(self, index: int) -> bool:
         """Whether this is the choice's first chunk (or its whole): the prompt goes there."""
@@ -365,13 +410,14 @@ class _Reply:
             return {}
         return {"prompt_logprobs": prompt_logprobs_json(entries)}
 
-    def _token_ids(self, prompt_index: int, first: bool,
-                   token_ids: list[int]) -> dict[str, list[int]]:
+    def _add_token_ids(self, choice: CompletionChoice, prompt_index: int, first: bool,
+                       token_ids: list[int]) -> None:
         """return_token_ids: the prompt's ids (in the first chunk) and these tokens' ids."""
         if not self.req.return_token_ids:
-            return {}
-        ids = {"token_ids": list(token_ids)}
-        return {"prompt_token_ids": self.prompts[prompt_index], **ids} if first else ids
+            return
+        choice.token_ids = list(token_ids)
+        if first:
+            choice.prompt_token_ids = self.prompts[prompt_index]
 
     def _logprobs(self, index: int, token_ids: list[int],
                   logprobs: list[TokenLogprobs | None] | None, skip: int,

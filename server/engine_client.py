@@ -84,38 +84,43 @@ Ready = list[tuple[int, RequestOutput]]  # (prompt index, output), oldest first
 class Generation:
     """One HTTP request's engine requests (one per prompt). Iterating yields, each time, every
     (prompt_index, RequestOutput) that is ready: a consumer that falls behind catches up in
-    one go instead of one output at a time."""
+    one go instead of one output at a time. The consumer waits on a bare future, set by the
+    first output that arrives while it waits (an asyncio.Event costs several Python calls
+    per wakeup, and a wakeup happens per streamed chunk)."""
 
     def __init__(self, owner: EngineClient, request_ids: list[str], n: int) -> None:
         self._owner = owner
         self._n = n  # sequences per engine request, each counted against the queue cap
         self._ready: Ready = []
-        self._wakeup = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # pending while the consumer waits
         self._end: BaseException | None = None  # a failure, or ClientDisconnected
-        self._unfinished = set(request_ids)
+        self._unfinished = set(request_ids)  # no finished output delivered yet
         self._waiting = set(request_ids)  # no output yet: counts against the queue cap
         owner.num_waiting += len(request_ids) * n
 
     def on_output(self, index: int, output: RequestOutput) -> None:
         first = output.request_id in self._waiting
-        self._leave_waiting(output.request_id)
+        if first:
+            self._leave_waiting(output.request_id)
         if output.error is not None:
             self.on_failure(RequestFailed(output.error))
             return
         self._owner.observe_output(output, first)
         self._ready.append((index, output))
-        self._wakeup.set()
+        if output.finished:
+            self._unfinished.discard(output.request_id)
+        self._wake()
 
     def on_failure(self, failure: RequestFailed) -> None:
         if self._end is None:
             self._end = failure
-        self._wakeup.set()
+        self._wake()
 
     def cancel(self) -> None:
         """The client disconnected: abort now and wake the consumer."""
         self._end = ClientDisconnected()
         self.close()
-        self._wakeup.set()
+        self._wake()
 
     def close(self) -> None:
         """Abort whatever has not finished. Idempotent; the core ignores finished ids."""
@@ -132,18 +137,19 @@ class Generation:
         one that came before the consumer started: it must not read as a clean end)."""
         while True:
             if not self._ready and self._end is None and self._unfinished:
-                await self._wakeup.wait()
-            self._wakeup.clear()
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
             ready, self._ready = self._ready, []
             if ready:
-                for _, output in ready:
-                    if output.finished:
-                        self._unfinished.discard(output.request_id)
                 yield ready
             if self._end is not None:
                 raise self._end
-            if not self._unfinished:
+            if not self._unfinished and not self._ready:
                 return
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def _leave_waiting(self, request_id: str) -> None:
         if request_id in self._waiting:

@@ -17,7 +17,9 @@ from engine.output.tokenizer import IncrementalDetokenizer, Tokenizer
 class TextStream:
     """`final_only` without stop strings: tokens are decoded once, in bulk, at the end. As in
     vLLM, stop strings match only once more than `min_tokens` tokens are out, and
-    `include_stop` keeps the one that ended the text in it."""
+    `include_stop` keeps the one that ended the text in it. Without stop strings a token costs
+    a table lookup: nothing is matched or held back. The emitted text is kept in pieces,
+    joined when read (`text`), so a token never copies the text before it."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...],
                  final_only: bool = False, min_tokens: int = 0,
@@ -28,34 +30,41 @@ class TextStream:
         self._stop = stop_strings(stop) if stop else None
         self._holdback = self._stop.longest - 1 if self._stop else 0
         self._min_tokens, self._include_stop = min_tokens, include_stop
-        self._num_tokens = 0
+        self._num_tokens = 0  # fed to the stop-string matching
         self._pending = ""
-        self.text = ""  # everything emitted so far
+        self._pieces: list[str] = []  # everything emitted so far
         self.stopped_by: str | None = None
 
     @property
     def decodes_at_end(self) -> bool:
         return self._bulk is not None
 
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
     def add(self, token_id: int, final: bool) -> str:
         """Feed one token (special tokens add no text); returns the text now safe to emit.
         After a stop string is found, everything further is dropped."""
         if self.stopped_by is not None:
             return ""
-        self._num_tokens += 1
         if self._bulk is not None:
             if token_id != EOS_TOKEN_ID:
                 self._bulk.append(token_id)
             if not final:
                 return ""
-            self.text = self._tokenizer.decode(self._bulk)
-            return self.text
+            self._pieces = [self._tokenizer.decode(self._bulk)]
+            return self._pieces[0]
         piece = "" if token_id == EOS_TOKEN_ID else self._detokenizer.add(token_id)
         if final:
             piece += self._detokenizer.flush()
-        if not self._stop:
-            self.text += piece
+        if self._stop is None:
+            self._pieces.append(piece)
             return piece
+        self._num_tokens += 1
         return self._emit(self._pending + piece, final)
 
     def _emit(self, buffer: str, final: bool) -> str:
@@ -71,7 +80,7 @@ class TextStream:
         else:
             cut = max(len(buffer) - self._holdback, 0)
             out, self._pending = buffer[:cut], buffer[cut:]
-        self.text += out
+        self._pieces.append(out)
         return out
 
 

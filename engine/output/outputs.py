@@ -1,7 +1,15 @@
-"""What the engine hands to its users (the offline LLM and the HTTP server)."""
+"""What the engine hands to its users (the offline LLM and the HTTP server).
+
+RequestMetrics and CompletionOutput are msgspec Structs: the server builds one of each per
+streamed chunk, and a Struct is built in C, not by a Python __init__. They hold numbers,
+strings and lists of those, never a cycle: gc=False keeps them out of the collector's walks.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
+
+import msgspec
 
 from engine.core.batch import TokenLogprobs
 
@@ -21,35 +29,36 @@ class Logprob:
 PromptLogprobsList = list[dict[int, Logprob] | None]
 
 
-@dataclass(slots=True)
-class RequestMetrics:
+class RequestMetrics(msgspec.Struct, gc=False):
     """Timestamps in time.monotonic() seconds, recorded inside the engine."""
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    token_times: list[float] = msgspec.field(default_factory=list)
     finish_time: float | None = None
     num_cached_tokens: int = 0
 
 
-@dataclass(slots=True)
-class CompletionOutput:
+class CompletionOutput(msgspec.Struct, gc=False):
     """One of the n choices. `text`/`token_ids`/`logprobs` are cumulative; `delta_*` what this
     step added. Text that may begin a stop string is withheld until known. With output_kind
     "delta" the cumulative fields (and metrics' token_times) stay empty until it finishes."""
     index: int
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
+    delta_token_ids: list[int] = msgspec.field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+_finish_reason = attrgetter("finish_reason")
 
 
 @dataclass
@@ -65,7 +74,7 @@ class RequestOutput:
     finished: bool = field(init=False)  # every choice finished; read several times per step
 
     def __post_init__(self) -> None:
-        self.finished = all(o.finished for o in self.outputs)
+        self.finished = None not in map(_finish_reason, self.outputs)
 
     @property
     def text(self) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from engine.core.batch import PromptLogprobs
+from engine.core.batch import PromptLogprobs, TokenLogprobs
 from engine.core.messages import CoreRequest, SequenceOutput, StepOutput
 from engine.core.request import RequestStatus, SamplingParams
 from engine.output.detokenize import TextStream
@@ -25,47 +25,53 @@ ABORTED = RequestStatus.FINISHED_ABORTED.value
 
 
 class _Choice:
+    """One sequence's state: its text stream, its cumulative tokens and logprobs, what the
+    steps since the last output added (`delta_*`), its end and its timings."""
+
     def __init__(self, index: int, seq_id: str, params: SamplingParams,
                  tokenizer: Tokenizer, arrival_time: float) -> None:
         self.index = index
         self.seq_id = seq_id
-        self.params = params
+        self.streams = params.output_kind != "final_only"  # an output on every step
+        self.sends_deltas = params.output_kind == "delta"
         self.stream = TextStream(tokenizer, params.stop,
-                                 final_only=params.output_kind == "final_only",
-                                 min_tokens=params.min_tokens,
+                                 final_only=not self.streams, min_tokens=params.min_tokens,
                                  include_stop=params.include_stop_str_in_output)
-        self.output = CompletionOutput(index=index,
-                                       logprobs=[] if params.logprobs is not None else None)
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.delta_text = ""
+        self.delta_token_ids: list[int] = []
+        self.delta_logprobs: list[TokenLogprobs] | None = None
         self.metrics = RequestMetrics(arrival_time)
 
-    @property
-    def deltas_only(self) -> bool:
-        """A "delta" request's unfinished choice: its output leaves cumulative fields empty."""
-        return self.params.output_kind == "delta" and self.output.finish_reason is None
-
-    def snapshot(self) -> CompletionOutput:
-        """A copy the caller may keep while this choice grows."""
-        out = self.output
-        if self.deltas_only:
-            return CompletionOutput(out.index, logprobs=None if out.logprobs is None else [],
-                                    delta_text=out.delta_text,
-                                    delta_token_ids=out.delta_token_ids,
-                                    delta_logprobs=out.delta_logprobs)
-        return CompletionOutput(
-            out.index, out.text, self._final_or_copy(out.token_ids),
-            None if out.logprobs is None else self._final_or_copy(out.logprobs),
-            out.finish_reason, out.stop_reason, out.delta_text, out.delta_token_ids,
-            out.delta_logprobs)
-
-    def metrics_snapshot(self) -> RequestMetrics:
+    def emit(self) -> tuple[CompletionOutput, RequestMetrics]:
+        """This choice's output and timings, which the caller may keep while it grows; the
+        delta fields start afresh. A "delta" request's unfinished choice hands over its delta
+        lists and leaves the cumulative fields (and token_times) empty; a finished choice's
+        lists never change, so they are shared, not copied."""
         m = self.metrics
-        token_times = [] if self.deltas_only else self._final_or_copy(m.token_times)
-        return RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
-                              token_times, m.finish_time, m.num_cached_tokens)
+        if self.sends_deltas and self.finish_reason is None:
+            out = CompletionOutput(self.index, "", [], None if self.logprobs is None else [],
+                                   None, None, self.delta_text, self.delta_token_ids,
+                                   self.delta_logprobs)
+            token_times = []
+        else:
+            out = CompletionOutput(self.index, self.stream.text,
+                                   self._final_or_copy(self.token_ids),
+                                   None if self.logprobs is None
+                                   else self._final_or_copy(self.logprobs),
+                                   self.finish_reason, self.stop_reason, self.delta_text,
+                                   self.delta_token_ids, self.delta_logprobs)
+            token_times = self._final_or_copy(m.token_times)
+        self.delta_text, self.delta_token_ids, self.delta_logprobs = "", [], None
+        return out, RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                                   token_times, m.finish_time, m.num_cached_tokens)
 
     def _final_or_copy(self, items: list) -> list:
         """A finished choice's lists never change: shared, not copied."""
-        return items if self.output.finish_reason is not None else list(items)
+        return items if self.finish_reason is not None else list(items)
 
 
 class _PromptLogprobs:
@@ -111,12 +117,13 @@ class _Group:
 
     @property
     def finished(self) -> bool:
-        return all(c.output.finish_reason is not None for c in self.choices)
+        return all(c.finish_reason is not None for c in self.choices)
 
     def to_output(self) -> RequestOutput:
+        """Every choice's output (see _Choice.emit)."""
+        outputs, metrics = zip(*map(_Choice.emit, self.choices))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [c.snapshot() for c in self.choices],
-                             [c.metrics_snapshot() for c in self.choices], self.error,
+                             list(outputs), list(metrics), self.error,
                              None if self.prompt_logprobs is None
                              else self.prompt_logprobs.complete())
 
@@ -169,77 +176,82 @@ class OutputProcessor:
         merged), and the sequences to abort in the core (stop string, or handling failed)."""
         changed: dict[str, _Group] = {}
         to_abort: list[str] = []
-        for seq in (seq for step in steps for seq in step.outputs):
-            owner = self._choice_of.get(seq.seq_id)
-            if owner is None:
-                continue  # aborted since its token was sampled
-            group, choice = owner
-            if choice.output.finish_reason is not None:
-                continue  # a stop string ended it; the core's abort is on its way
-            try:
-                if seq.prompt_logprobs is not None and choice.index == 0:
-                    group.prompt_logprobs.add(seq.prompt_logprobs)
-                self._apply(choice, seq, to_abort)
-            except Exception as err:  # one request's failure must not take down the others
-                log.exception("request %s failed while handling its output", group.request_id)
-                to_abort += self._fail(group, f"{type(err).__name__}: {err}")
-            # a prompt chunk's logprobs alone make no output: they come with the first token
-            if group.error is not None or group.finished or (
-                    choice.params.output_kind != "final_only"
-                    and (seq.new_token_ids or seq.finish_reason is not None)):
-                changed[group.request_id] = group
+        choice_of = self._choice_of
+        for step in steps:
+            for seq in step.outputs:
+                owner = choice_of.get(seq.seq_id)
+                if owner is None:
+                    continue  # aborted since its token was sampled
+                group, choice = owner
+                if choice.finish_reason is not None:
+                    continue  # a stop string ended it; the core's abort is on its way
+                try:
+                    if seq.prompt_logprobs is not None and choice.index == 0:
+                        group.prompt_logprobs.add(seq.prompt_logprobs)
+                    self._apply(choice, seq, to_abort)
+                except Exception as err:  # one request's failure must spare the others
+                    log.exception("request %s failed while handling its output",
+                                  group.request_id)
+                    to_abort += self._fail(group, f"{type(err).__name__}: {err}")
+                # a prompt chunk's logprobs alone make no output: they come with the first
+                # token; the group can only have finished with this choice
+                if group.error is not None or (
+                        choice.streams and (seq.new_token_ids or seq.finish_reason is not None)
+                ) or (choice.finish_reason is not None and group.finished):
+                    changed[group.request_id] = group
         return [self._emit(group) for group in changed.values()], to_abort
 
     def _apply(self, choice: _Choice, seq: SequenceOutput, to_abort: list[str]) -> None:
-        metrics, out = choice.metrics, choice.output
+        metrics = choice.metrics
         metrics.first_scheduled_time = seq.first_scheduled_time
         metrics.num_cached_tokens = seq.num_cached_tokens
         ends = seq.finish_reason is not None
-        last = len(seq.new_token_ids) - 1
-        for i, token in enumerate(seq.new_token_ids):
-            logprobs = None if seq.new_logprobs is None else seq.new_logprobs[i]
-            self._apply_token(choice, token, logprobs, final=ends and i == last)
-            metrics.token_times.append(seq.new_token_times[i])
-            if choice.stream.stopped_by is not None:
-                break
-        if metrics.token_times and metrics.first_token_time is None:
-            metrics.first_token_time = metrics.token_times[0]
+        if seq.new_token_ids:
+            self._apply_tokens(choice, seq, ends)
         if choice.stream.stopped_by is not None:
             # a stop string wins even when the same token also hit max_tokens (as in vLLM)
-            out.finish_reason = RequestStatus.FINISHED_STOPPED.value
-            out.stop_reason = choice.stream.stopped_by
+            choice.finish_reason = RequestStatus.FINISHED_STOPPED.value
+            choice.stop_reason = choice.stream.stopped_by
             metrics.finish_time = metrics.token_times[-1]
             if not ends:
                 to_abort.append(choice.seq_id)
         elif ends:
-            out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+            choice.finish_reason, choice.stop_reason = seq.finish_reason, seq.stop_reason
             metrics.finish_time = seq.finish_time
 
-    def _apply_token(self, choice: _Choice, token: int, logprobs, final: bool) -> None:
-        out = choice.output
-        out.delta_text += choice.stream.add(token, final=final)
-        out.delta_token_ids.append(token)
-        out.token_ids.append(token)
-        if out.logprobs is not None and logprobs is not None:
-            out.logprobs.append(logprobs)
-            out.delta_logprobs = (out.delta_logprobs or []) + [logprobs]
-        out.text = choice.stream.text
+    @staticmethod
+    def _apply_tokens(choice: _Choice, seq: SequenceOutput, ends: bool) -> None:
+        """The step's tokens, up to the one that completes a stop string if one does (the
+        rest never happened); a token without logprobs adds none."""
+        tokens, stream, metrics = seq.new_token_ids, choice.stream, choice.metrics
+        last = len(tokens) - 1
+        for i, token in enumerate(tokens):
+            choice.delta_text += stream.add(token, ends and i == last)
+            if stream.stopped_by is not None:
+                tokens = tokens[:i + 1]
+                break
+        choice.delta_token_ids += tokens
+        choice.token_ids += tokens
+        metrics.token_times += seq.new_token_times[:len(tokens)]
+        if metrics.first_token_time is None:
+            metrics.first_token_time = metrics.token_times[0]
+        if choice.logprobs is not None and seq.new_logprobs is not None:
+            entries = [lp for lp in seq.new_logprobs[:len(tokens)] if lp is not None]
+            if entries:
+                choice.logprobs += entries
+                choice.delta_logprobs = (choice.delta_logprobs or []) + entries
 
     def _fail(self, group: _Group, message: str) -> list[str]:
         """End every choice of the group now; its output carries the error. Returns the
         sequences the core must abort."""
         group.error = message
         for choice in group.choices:
-            if choice.output.finish_reason is None:
-                choice.output.finish_reason = ABORTED
+            if choice.finish_reason is None:
+                choice.finish_reason = ABORTED
         return [choice.seq_id for choice in group.choices]
 
     def _emit(self, group: _Group) -> RequestOutput:
         output = group.to_output()
-        for choice in group.choices:  # the snapshot took the delta lists: start new ones
-            choice.output.delta_text = ""
-            choice.output.delta_token_ids = []
-            choice.output.delta_logprobs = None
         if output.finished:  # a failed group is finished too: _fail ended every choice
             self.abort(group.request_id)
         return output

@@ -1,0 +1,186 @@
+"""The API process's work per streamed chunk, counted rather than timed, so that the check
+holds on a slow, busy CI machine: the Python function calls that the delta output path makes
+(EngineClient's handling of the core's steps, OutputProcessor.process, the stream's
+generators and the chunk's encoding) while STREAMS streams take STEPS tokens each, one
+token per stream per step, as a GPU core sends them. A call is counted when it runs inside
+one of that path's entry points, whatever library it belongs to; the test's own driving and
+the event loop's scheduling are not counted. Metrics (prometheus_client) are left out: the
+EngineClient here observes nothing.
+
+Stop strings are matched only for the requests that have them, and a chunk framed from a
+template is the event the whole chunk's encoding gives."""
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import pytest
+
+from engine.core.messages import AddSequences, EngineStats, SequenceOutput, StepOutput
+from engine.output import detokenize
+from engine.output.tokenizer import Tokenizer
+from server.chat import ChatCompletionChunk, ChatDelta, ChatService, ChatStreamChoice
+from server.completions import ChunkFrame, CompletionService, sse_event, stream_events
+from server.engine_client import EngineClient
+from server.protocol import CompletionChoice, CompletionResponse, Limits
+
+STREAMS, STEPS = 16, 24
+STATS = EngineStats(1, 0, 0.0, 0, 0, 0, 1, 1)
+TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+# The bounds sit about a fifth above what the path makes today (docs/performance.md, "API
+# process per streamed chunk"): room for a helper call, none for another layer per chunk.
+MAX_CALLS_PER_CHUNK = {"completions": 36, "chat": 36}
+ENTRY_POINTS = {EngineClient._deliver.__code__, EngineClient._on_steps.__code__,
+                stream_events.__code__}
+
+
+class ScriptedCore:
+    """A CoreConnection whose core is the test: it keeps the sequences it was sent, and the
+    test delivers the steps."""
+    max_model_len, pool_tokens, client_index = 1024, 1 << 20, 0
+
+    def __init__(self) -> None:
+        self.seq_ids: list[str] = []
+
+    def start(self, deliver) -> None:
+        self.deliver = deliver
+
+    def send(self, message) -> None:
+        if isinstance(message, AddSequences):
+            self.seq_ids += [sequence.seq_id for sequence in message.sequences]
+
+    def is_alive(self) -> bool:
+        return True
+
+    async def stop(self, timeout: float) -> None:
+        pass
+
+
+class StayingClient:
+    """What CompletionService reads of an HTTP request: a receive channel on which the
+    client never leaves."""
+
+    async def receive(self) -> dict[str, Any]:
+        return await asyncio.get_running_loop().create_future()
+
+
+class CallCounter:
+    """sys.setprofile hook: counts the Python calls made inside the entry points (a call
+    whose frame, or a caller's, runs one of their code objects)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, frame, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        while frame is not None:
+            if frame.f_code in ENTRY_POINTS:
+                self.calls += 1
+                return
+            frame = frame.f_back
+
+
+def step(seq_ids: list[str], index: int) -> StepOutput:
+    """Step `index` of STEPS: one token for every sequence, varied text; the last ends them."""
+    last = index == STEPS - 1
+    return StepOutput([SequenceOutput(seq_id, [(index * 7919 + row * 104729) % 50000],
+                                      [float(index)], None, "length" if last else None, None,
+                                      float(index) if last else None, 0.0, 0)
+                       for row, seq_id in enumerate(seq_ids)], STATS)
+
+
+async def stream(route: str, body: dict[str, Any], counter: CallCounter | None = None
+                 ) -> list[bytes]:
+    """Every stream's bytes, with `counter` counting while the steps are delivered and
+    streamed (request handling before the first step is not counted)."""
+    tokenizer = Tokenizer()
+    core = ScriptedCore()
+    engine = EngineClient(core, tokenizer, max_queued_requests=10_000)
+    engine.start()
+    completions = CompletionService(engine, tokenizer, "gpt2", Limits(tokenizer.vocab_size,
+                                                                       1024))
+    service = ChatService(completions, TEMPLATE, False) if route == "chat" else completions
+    responses = [await service.create(StayingClient(), body) for _ in range(STREAMS)]
+    bodies = [bytearray() for _ in responses]
+
+    async def consume(response, into: bytearray) -> None:
+        async for piece in response.body_iterator:
+            into += piece
+
+    consumers = [asyncio.create_task(consume(r, b)) for r, b in zip(responses, bodies)]
+    await asyncio.sleep(0)  # each consumer waits for its first output
+    if counter is not None:
+        sys.setprofile(counter)
+    try:
+        for index in range(STEPS):
+            core.deliver(step(core.seq_ids, index))
+            for _ in range(4):  # _on_steps runs, then each consumer sends its chunk
+                await asyncio.sleep(0)
+    finally:
+        sys.setprofile(None)
+    await asyncio.gather(*consumers)
+    await engine.stop(timeout=1.0)
+    return [bytes(b) for b in bodies]
+
+
+def chunks_of(bodies: list[bytes]) -> int:
+    return sum(body.count(b"data: ") for body in bodies)
+
+
+BODIES = {
+    "completions": {"prompt": [1, 2, 3], "max_tokens": STEPS, "stream": True,
+                    "ignore_eos": True, "stream_options": {"include_usage": True}},
+    "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": STEPS,
+             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}},
+}
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_streamed_chunk_costs_a_bounded_number_of_python_calls(route):
+    counter = CallCounter()
+    bodies = asyncio.run(stream(route, BODIES[route], counter))
+    assert all(body.endswith(b"data: [DONE]\n\n") for body in bodies)
+    # every step is one chunk per stream: the consumers kept up, nothing was merged
+    per_stream = STEPS + 2 + (route == "chat")  # + usage, [DONE]; chat opens with the role
+    assert chunks_of(bodies) == STREAMS * per_stream
+    calls_per_chunk = counter.calls / (STREAMS * STEPS)
+    assert calls_per_chunk <= MAX_CALLS_PER_CHUNK[route], calls_per_chunk
+
+
+@pytest.mark.parametrize("stop, matched", [(None, False), (["@@@"], True)])
+def test_stop_strings_are_matched_only_for_requests_that_have_them(monkeypatch, stop,
+                                                                   matched):
+    finds = []
+    real_find = detokenize.StopStrings.find
+
+    def counting_find(self, text: str, new_from: int):
+        finds.append(text)
+        return real_find(self, text, new_from)
+
+    monkeypatch.setattr(detokenize.StopStrings, "find", counting_find)
+    bodies = asyncio.run(stream("completions", {**BODIES["completions"], "stop": stop}))
+    assert chunks_of(bodies) == STREAMS * (STEPS + 2)
+    assert bool(finds) == matched
+
+
+TEXTS = ["", "plain", 'quotes " and \\ backslash', "\u00e9\u4e2d\U0001f600", "\n\t\x00\x1f",
+         '"choices":[]', "\ufffd"]  # the last: what a cut character decodes to
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("response_id", ["cmpl-1", 'cmpl-"choices":[]'])
+def test_a_framed_chunk_is_the_event_of_the_whole_chunk(text, response_id):
+    finishing = {"finish_reason": "stop", "stop_reason": "###"}
+    for choice in (CompletionChoice(3, text), CompletionChoice(0, text, **finishing)):
+        whole = CompletionResponse(id=response_id, created=1, model="m", choices=[choice])
+        frame = ChunkFrame(CompletionResponse(id=response_id, created=1, model="m",
+                                              choices=[]))
+        assert frame.event(choice) == sse_event(whole)
+    for choice in (ChatStreamChoice(1, ChatDelta(content=text)),
+                   ChatStreamChoice(0, ChatDelta(content=text), **finishing)):
+        whole = ChatCompletionChunk(id=response_id, created=1, model="m", choices=[choice])
+        frame = ChunkFrame(ChatCompletionChunk(id=response_id, created=1, model="m",
+                                               choices=[]))
+        assert frame.event(choice) == sse_event(whole)
