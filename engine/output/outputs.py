@@ -14,11 +14,10 @@ import msgspec
 from engine.core.batch import TokenLogprobs
 
 
-@dataclass(slots=True)
-class Logprob:
+class Logprob(msgspec.Struct, gc=False):
     """vLLM's Logprob: a token's raw model logprob at one position, its rank there (1: the
-    likeliest; ties count against it) and its text. Not frozen, as vLLM's: prompt logprobs
-    build two per prompt position, and a frozen init costs twice as much."""
+    likeliest; ties count against it) and its text. A Struct: prompt logprobs build up to
+    k + 1 per prompt position."""
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None

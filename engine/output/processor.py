@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from engine.core.batch import PromptLogprobs, TokenLogprobs
 from engine.core.messages import CoreRequest, SequenceOutput, StepOutput
-from engine.core.request import RequestStatus, SamplingParams
+from engine.core.request import MAX_LOGPROBS, RequestStatus, SamplingParams
 from engine.output.detokenize import TextStream
 from engine.output.outputs import (CompletionOutput, Logprob, PromptLogprobsList,
                                    RequestMetrics, RequestOutput)
@@ -91,14 +91,15 @@ class _PromptLogprobs:
         if first < 1 or len(tokens) != count:
             raise IndexError(f"prompt logprobs for positions {first}..{first + count - 1} of "
                              f"a {len(self.prompt_token_ids)}-token prompt")
-        entries = [
-            {token: None if token in top_ids else Logprob(logprob, rank, text[token])}
-            for token, logprob, rank, top_ids in zip(tokens, chunk.token_logprobs, chunk.ranks,
-                                                     chunk.top_token_ids)]
-        for entry, top_ids, top_logprobs in zip(entries, chunk.top_token_ids,
-                                                chunk.top_logprobs):
-            for rank, (top, top_logprob) in enumerate(zip(top_ids, top_logprobs), start=1):
-                entry[top] = Logprob(top_logprob, rank, text[top])
+        ranks = range(1, MAX_LOGPROBS + 1)  # zip stops at the row's top-k
+        entries = []
+        for token, logprob, rank, top_ids, top_logprobs in zip(
+                tokens, chunk.token_logprobs, chunk.ranks, chunk.top_token_ids,
+                chunk.top_logprobs):
+            entry = {token: None if token in top_ids else Logprob(logprob, rank, text[token])}
+            for top, top_logprob, top_rank in zip(top_ids, top_logprobs, ranks):
+                entry[top] = Logprob(top_logprob, top_rank, text[top])
+            entries.append(entry)
         self.entries[first:first + count] = entries
         self.num_missing -= count
 
