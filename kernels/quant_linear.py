@@ -20,11 +20,13 @@ three changes:
     the linear has a norm. There the weights' bytes still halve; the MMA work is the 16-bit
     GEMM's, on Triton's tiles rather than cuBLAS's.
 
-Tile shapes follow the batch (`tile_shape`), not yet tuned on a GPU. References:
+Tile shapes follow the batch and N (`tile_shape`), from a sweep on an H100. References:
 `quant_linear_reference`, `quant_add_norm_linear_reference` (and the engine's
 `engine.worker.layers.linear` on a QuantizedWeight).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -46,15 +48,19 @@ LARGE_BLOCK_M = 128
 LARGE_TILE = TileConfig(block_n=128, block_k=64, num_warps=8, num_stages=3, min_split_steps=4)
 
 
-def tile_shape(rows: int) -> tuple[int, TileConfig]:
-    """BLOCK_M and the tile config for `rows` columns of x (M, plus 2 with a fused norm): one
-    x tile of a power of two >= 16 rows, its K step keeping X_TILE_ELEMENTS (an 8-bit W row
-    streams BLOCK_K bytes a step), W tile rows by the skinny GEMM's rule; or LARGE_TILE."""
+def tile_shape(rows: int, n: int, sms: int) -> tuple[int, TileConfig]:
+    """BLOCK_M and the tile config for `rows` columns of x (M, plus 2 with a fused norm) and N
+    output channels on `sms` SMs. Up to MAX_TILE_M: one x tile of a power of two >= 16 rows,
+    W tile rows 64 if that gives tiles for half the SMs, else 32; two warps up to 4 rows, else
+    four; a K step of 128 (the best on GPT-2's shapes in scripts/sweep_skinny.py
+    --quantization). Beyond: LARGE_TILE."""
     if rows > MAX_TILE_M:
         return LARGE_BLOCK_M, LARGE_TILE
     block_m = max(16, triton.next_power_of_2(rows))
-    return block_m, TileConfig(block_n=0, block_k=min(256, X_TILE_ELEMENTS // block_m),
-                               num_warps=4, num_stages=4, min_split_steps=2)
+    return block_m, TileConfig(block_n=64 if triton.cdiv(n, 64) >= sms // 2 else 32,
+                               block_k=min(128, X_TILE_ELEMENTS // block_m),
+                               num_warps=2 if rows <= 4 else 4, num_stages=3,
+                               min_split_steps=2)
 
 
 @triton.jit
@@ -183,8 +189,8 @@ def _quant_linear_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, s
 
 
 def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-            gelu: bool, norm: AddNorm | None, config: TileConfig | None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            gelu: bool, norm: AddNorm | None, config: TileConfig | None,
+            compile_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     (m, k), n = x.shape, data.shape[0]
     assert data.dtype in (torch.int8, torch.float8_e4m3fn) and scale.dtype == torch.float32
     assert data.shape[1] == k and scale.shape == (n,) and x.stride(1) == 1 and data.stride(1) == 1
@@ -198,9 +204,9 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torc
         summed = torch.empty_like(x)
     if m == 0:
         return out, summed
-    block_m, default = tile_shape(m + 2 if norm is not None else m)
-    config = config or default
     sms = num_sms(x.device)
+    block_m, default = tile_shape(m + 2 if norm is not None else m, n, sms)
+    config = config or default
     block_k = next(b for b in (256, 128, 64, 32, 16) if b <= config.block_k and k % b == 0)
     block_n = config.block_n or _block_n(n, sms)
     num_tiles, m_tiles = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
@@ -214,7 +220,10 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torc
         if splits > 1 and norm is not None else out
     counters = counters_for(x.device, num_tiles * m_tiles) if splits > 1 else out
     res, ln_w, ln_b, eps = norm if norm is not None else (x, x, x, 0.0)
-    _quant_linear_kernel[(num_tiles, splits, m_tiles)](
+    grid = (num_tiles, splits, m_tiles)
+    kernel = (functools.partial(_quant_linear_kernel.warmup, grid=grid) if compile_only
+              else _quant_linear_kernel[grid])
+    kernel(
         x, data, scale, out if bias is None else bias, out, part, stats, counters, res, ln_w,
         ln_b, out if summed is None else summed, eps, m, n, k, k_per_split, x.stride(0),
         data.stride(0), out.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
@@ -242,6 +251,14 @@ def quant_add_norm_linear(x: torch.Tensor, norm: AddNorm, data: torch.Tensor,
         normed, summed = add_layer_norm(x, norm.residual, norm.weight, norm.bias, norm.eps)
         return quant_linear(normed, data, scale, bias, gelu, config), summed
     return _launch(x, data, scale, bias, gelu, norm, config)
+
+
+def compile_quant_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                         bias: torch.Tensor | None, gelu: bool, norm: AddNorm | None,
+                         config: TileConfig | None) -> None:
+    """Compile, without launching, the variant quant_linear (norm None) or
+    quant_add_norm_linear would launch (Triton's warmup; AsyncCompileMode: its pool)."""
+    _launch(x, data, scale, bias, gelu, norm, config, compile_only=True)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

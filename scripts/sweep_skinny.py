@@ -6,20 +6,34 @@ the norm fused in it also times the add + LayerNorm kernel followed by the plain
 
     python scripts/sweep_skinny.py --widths 768,1600 --m 1,4
     python scripts/sweep_skinny.py --widths 1600 --m 4,8,16 --layers qkv,fc
+    python scripts/sweep_skinny.py --widths 1600 --m 1,4 --quantization int8
+
+With --quantization, the 8-bit kernel (kernels/quant_linear.py) instead: its default tile
+(tile_shape) and each config, against the 16-bit layer's best (cuBLAS or a startup-table
+skinny config); GB/s counts the 8-bit weight bytes.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import triton
+from triton.runtime.errors import OutOfResources
 
+from engine.worker.quantization import quantize_weight
 from kernels.linear import LinearDispatch, compile_candidates, graph_ms, layer_call
-from kernels.skinny_gemm import TileConfig
+from kernels.quant_linear import compile_quant_linear, quant_add_norm_linear, quant_linear
+from kernels.skinny_gemm import TILE_CANDIDATES, AddNorm, TileConfig
 
 CONFIGS = tuple(TileConfig(*knobs) for knobs in itertools.product(
     (16, 32, 64), (64, 128, 256), (2, 4, 8), (2, 4), (1, 2)))  # BN, BK, warps, stages, steps
 LAYERS = ("qkv", "o", "fc", "proj")
+QUANT_CONFIGS = tuple(TileConfig(*knobs) for knobs in itertools.product(
+    (16, 32, 64), (64, 128, 256), (2, 4, 8), (3,), (2,)))
 
 
 def layer_shapes(width: int, layers: list[str]) -> list[tuple[str, int, int, bool, bool]]:
@@ -70,14 +84,64 @@ def sweep(width: int, m: int, layers: list[str]) -> None:
         print(line, flush=True)
 
 
+def quant_call(x, residual, ln_w, ln_b, bias, norm: bool, gelu: bool,
+               config: TileConfig | None):
+    """The 8-bit layer for a QuantizedWeight passed in, with this tile (None: the default)."""
+    if norm:
+        add_norm = AddNorm(residual, ln_w, ln_b, 1e-5)
+        return lambda w: quant_add_norm_linear(x, add_norm, w.data, w.scale, bias, gelu, config)
+    return lambda w: quant_linear(x, w.data, w.scale, bias, gelu, config)
+
+
+def _ms_if_fits(call, weights) -> float:
+    try:
+        return graph_ms(call, weights)
+    except OutOfResources:
+        return math.inf
+
+
+def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
+    dtype, device = torch.float16, torch.device("cuda")
+    for name, n, k, gelu, norm in layer_shapes(width, layers):
+        weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5 for _ in range(16)]
+        qweights = [quantize_weight(w, method) for w in weights]
+        bias = torch.randn(n, dtype=dtype, device=device)
+        x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
+        ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
+        key = (n, k, m, gelu, norm)
+        fp16 = min(graph_ms(layer_call(LinearDispatch(table), x, residual, ln_w, ln_b, bias,
+                                       norm, gelu), weights)
+                   for table in [{}] + [{key: c} for c in TILE_CANDIDATES])
+        args = (x, residual, ln_w, ln_b, bias, norm, gelu)
+        default = graph_ms(quant_call(*args, None), qweights)
+        with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool, \
+                triton.AsyncCompileMode(pool, ignore_errors=True):  # compile all, then time
+            for config in QUANT_CONFIGS:
+                compile_quant_linear(x, qweights[0].data, qweights[0].scale, bias, gelu,
+                                     AddNorm(residual, ln_w, ln_b, 1e-5) if norm else None,
+                                     config)
+        times = sorted((_ms_if_fits(quant_call(*args, config), qweights), config)
+                       for config in QUANT_CONFIGS)
+        best, config = times[0]
+        print(f"{method} {name} N={n} K={k} M={m}: fp16 best {fp16 * 1e3:.2f} us; 8-bit "
+              f"default {default * 1e3:.2f} us; best {best * 1e3:.2f} us "
+              f"({n * k / best / 1e6:.0f} GB/s) {tuple(config)}; next "
+              + ", ".join(f"{t * 1e3:.2f} {tuple(c)}" for t, c in times[1:6]), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default="768,1600")
     parser.add_argument("--m", default="1,4")
     parser.add_argument("--layers", default=",".join(LAYERS))
+    parser.add_argument("--quantization", choices=("int8", "fp8"))
     args = parser.parse_args()
     widths, sizes = ([int(v) for v in text.split(",")] for text in (args.widths, args.m))
     layers = args.layers.split(",")
+    if args.quantization:
+        for width, m in itertools.product(widths, sizes):
+            sweep_quant(width, m, layers, args.quantization)
+        return
     shapes = [(n, k, gelu, norm) for width in widths
               for _, n, k, gelu, norm in layer_shapes(width, layers)]
     shapes += [(n, k, gelu, False) for n, k, gelu, norm in shapes if norm]
