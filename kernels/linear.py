@@ -102,6 +102,8 @@ def compile_candidates(shapes: list[tuple[int, int, bool, bool]], batch_sizes: l
     """Compile every variant measure_skinny_wins times, up front in a thread pool (Triton
     compiles mostly outside the GIL). Needs triton.AsyncCompileMode with ignore_errors, else
     they compile one by one as timed; a variant failing here fails again, loudly, when timed."""
+    if not shapes:
+        return
     async_compile = getattr(triton, "AsyncCompileMode", None)
     if async_compile is None or "ignore_errors" not in inspect.signature(async_compile).parameters:
         log.info("this Triton has no AsyncCompileMode(ignore_errors): the skinny GEMM "

@@ -82,7 +82,8 @@ class KVSizing:
         """Everything the worst-case step's memory depends on."""
         runner, sched = self.runner, self.config.scheduler
         return {**device_key(runner.device), "model": dataclasses.asdict(runner.model.config),
-                "dtype": str(runner.dtype), "attention_backend": runner.attention_backend,
+                "dtype": str(runner.dtype), "quantization": self.config.model.quantization,
+                "attention_backend": runner.attention_backend,
                 "block_size": runner.block_size, "max_drafts": runner.max_drafts,
                 "max_num_batched_tokens": sched.max_num_batched_tokens,
                 "max_num_seqs": sched.max_num_seqs, "max_model_len": sched.max_model_len,

@@ -145,3 +145,7 @@ def test_kv_sizing_reuses_the_worst_steps_bytes_while_nothing_changed(tiny_check
         config.scheduler, max_num_batched_tokens=512))
     assert sizing().free_cuda_bytes() == (expected, "profiled")
     assert measure.runs == 2
+    runner.config = dataclasses.replace(runner.config, model=dataclasses.replace(
+        runner.config.model, quantization="int8"))  # 8-bit linears: split-K workspaces differ
+    assert sizing().free_cuda_bytes() == (expected, "profiled")
+    assert measure.runs == 3
