@@ -66,11 +66,13 @@ def tile_shape(rows: int, n: int, sms: int) -> tuple[int, TileConfig]:
 @triton.jit
 def _widen(w, other):
     """8-bit W in the dtype of the dot's other operand, exactly: fp8 directly (packed e4m3 ->
-    f16/bf16 conversions), int8 to bf16 through fp32 (the interpreter's direct cast is
-    wrong)."""
+    f16/bf16 conversions); int8 to fp16 by its bits (the bits w + 0x6480 are the fp16
+    1152 + w, in [1024, 2048) where fp16's step is 1: integer adds, no int-to-float
+    conversion), int8 to bf16 through fp32 (the interpreter's direct cast is wrong)."""
     if w.dtype.is_int8():
-        if other.dtype == tl.bfloat16:
-            w = w.to(tl.float32)
+        if other.dtype == tl.float16:
+            return (w.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+        w = w.to(tl.float32)
     return w.to(other.dtype)
 
 

@@ -27,7 +27,8 @@
 #                     cold and warm launch-to-ready (needs the package installed: gpt2-serve)
 #   quant             scripts/bench_latency.py on QUANT_MODELS (default gpt2-xl,gpt2-large) at
 #                     fp16, int8 and fp8 (batch-1 ms/token, TTFT, batch-64 decode tok/s),
-#                     results under quant/<fp16|int8|fp8>/; QUANT_ARGS
+#                     results under quant/<fp16|int8|fp8>/; QUANT_METHODS (default all
+#                     three), QUANT_ARGS
 #   quant-sweep       scripts/sweep_skinny.py --quantization Q for Q in SWEEP_QUANT (default
 #                     int8) at SWEEP_WIDTHS (default 1600) and SWEEP_M (default 1,4) (log only)
 #   quant_tests       the 8-bit weight tests on CUDA: the kernel natively and in a CUDA graph,
@@ -69,7 +70,7 @@ for stage in "$@"; do
         soak) ckpt=$(cd scripts && python3 -c "from bench_utils import checkpoint_for; print(checkpoint_for('${SOAK_MODEL:-gpt2}'))" | tail -1)
               python3 scripts/soak.py --minutes "${SOAK_MINUTES:-10}" --model "$ckpt" --server-args "--device cuda ${SOAK_SERVER_ARGS:-}" ${SOAK_ARGS:---concurrency 64} --out "$dir" 2>&1 | tee "$log" | tail -60 ;;
         startup) for m in ${MODELS:-gpt2 gpt2-xl}; do MODEL=$m OUT=$dir bash scripts/image_style_run.sh; done 2>&1 | tee "$log" | grep -v "it/s" ;;
-        quant) for q in fp16 int8 fp8; do flag=; [ "$q" = fp16 ] || flag="--quantization $q"
+        quant) for q in ${QUANT_METHODS:-fp16 int8 fp8}; do flag=; [ "$q" = fp16 ] || flag="--quantization $q"
                    python3 scripts/bench_latency.py --models "${QUANT_MODELS:-gpt2-xl,gpt2-large}" $flag --out "$dir/$q" ${QUANT_ARGS:-}; done 2>&1 | tee "$log" | grep -v "it/s" ;;
         quant-sweep) for q in ${SWEEP_QUANT:-int8}; do python3 scripts/sweep_skinny.py --quantization "$q" --widths "${SWEEP_WIDTHS:-1600}" --m "${SWEEP_M:-1,4}"; done 2>&1 | tee "$log" ;;
         quant_tests) python3 -m pytest tests/kernels/test_quant_linear_kernel.py tests/worker/test_quantization.py -q -s 2>&1 | tee "$log" | tail -30 ;;
