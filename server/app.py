@@ -91,7 +91,8 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
                                settings.watchdog_timeout, settings.watchdog_exit_timeout,
                                observe_output=metrics.observe_output,
                                observe_stats=metrics.observe_stats,
-                               observe_request=metrics.observe_request)
+                               observe_request=metrics.observe_request,
+                               flush_observations=metrics.flush)
     limits = Limits(tokenizer.vocab_size, core.max_model_len, settings.max_n,
                     settings.max_prompts_per_request,
                     priority_scheduling=settings.scheduling_policy == "priority")

@@ -163,10 +163,12 @@ class EngineClient:
                  watchdog_exit_timeout: float | None = None,
                  observe_output: Callable[[RequestOutput, bool], None] = lambda o, f: None,
                  observe_stats: Callable[[EngineStats], None] = lambda s: None,
-                 observe_request: Callable[[SamplingParams], None] = lambda p: None) -> None:
+                 observe_request: Callable[[SamplingParams], None] = lambda p: None,
+                 flush_observations: Callable[[], None] = lambda: None) -> None:
         """`watchdog_timeout`: seconds of the core's silence after which open requests fail
         and /health says 503; `watchdog_exit_timeout` (default twice that): after which the
-        core counts as lost for good and `on_fatal` is called."""
+        core counts as lost for good and `on_fatal` is called. `flush_observations` runs
+        after each batch of steps is handled: the observers may hold values until then."""
         self.connection = connection
         self.processor = OutputProcessor(tokenizer)
         self.max_queued_requests = max_queued_requests
@@ -175,6 +177,7 @@ class EngineClient:
         self.observe_output = observe_output
         self._observe_stats = observe_stats
         self._observe_request = observe_request  # once per admitted prompt
+        self._flush_observations = flush_observations
         # called once when the core is dead, or silent past watchdog_exit_timeout: the server
         # exits non-zero so that its supervisor (Kubernetes, Docker, systemd) restarts it
         self.on_fatal: Callable[[], None] = lambda: None
@@ -356,6 +359,7 @@ class EngineClient:
                 logger.exception("handling the output of %s failed", output.request_id)
                 self._fail_request(output.request_id,
                                    f"internal error: {type(exc).__name__}: {exc}")
+        self._flush_observations()
 
     def _fail_request(self, request_id: str, message: str) -> None:
         route = self._routes.get(request_id)

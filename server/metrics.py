@@ -2,11 +2,18 @@
 built for vLLM work unchanged.
 
 Each app owns a CollectorRegistry (several apps in one process never collide), fed by:
-  * `observe_request` / `observe_output` (event loop), per admitted request and delivered
-    RequestOutput: token counters and per-request histograms;
-  * `observe_stats` (engine thread), per engine iteration: gauges, the iteration's scheduled
-    tokens, and the engine's cumulative counters as Prometheus increments.
-prometheus-client is thread-safe: the feeds need no lock of their own.
+  * `observe_request` / `observe_output`, per admitted request and delivered RequestOutput:
+    token counters and per-request histograms (inter-token latency: one sample per token);
+  * `observe_stats`, per engine iteration: gauges, the iteration's scheduled tokens, and the
+    engine's cumulative counters as Prometheus increments.
+Feeds, `flush` and `render` all run on the event loop, so the values held back need no lock.
+Every histogram and the token counters keep what they are fed in plain Python
+(BatchedHistogram, BatchedCounter) until `flush` hands it to prometheus_client, which then
+exports what one `observe`/`inc` per value would (a histogram's sum up to float rounding).
+EngineClient flushes at the end of every batch of engine steps (an idle core still sends
+one every 0.2 s) and `render` flushes before it reads, so a scrape sees every value this
+process has been given; another API server's values reach it at that server's next flush,
+at most one batch of engine steps late. Gauges and the engine's counters are written at once.
 
 With several API servers (server/api_servers.py) each process writes its values to
 PROMETHEUS_MULTIPROC_DIR and /metrics on any of them reads every process's: request counters
@@ -17,6 +24,8 @@ from __future__ import annotations
 
 import os
 import time
+from bisect import bisect_right
+from operator import attrgetter, sub
 from typing import Any
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram,
@@ -38,6 +47,8 @@ LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 N_BUCKETS = [1, 2, 5, 10, 20]  # vLLM's for request_params_n
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+SUCCESS_REASONS = ("stop", "length")  # the finish reasons vllm:request_success counts
+_delta_token_ids = attrgetter("delta_token_ids")
 
 
 def one_two_five_buckets(maximum: int) -> list[int]:
@@ -64,6 +75,50 @@ def cache_config_labels(cache: CacheConfig, num_gpu_blocks: int) -> dict[str, st
             "cpu_kv_cache_bytes": str(cache.cpu_kv_cache_bytes), "engine": "0"}
 
 
+class BatchedCounter:
+    """A Counter child fed in batches: its owner adds to `total`, a plain number that only
+    grows, and `flush` increments the child by what `total` gained since the last flush."""
+    __slots__ = ("child", "total", "flushed")
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+        self.total = 0
+        self.flushed = 0  # the part of total the child has
+
+    def flush(self) -> None:
+        if self.total != self.flushed:
+            self.child.inc(self.total - self.flushed)
+            self.flushed = self.total
+
+
+class BatchedHistogram:
+    """A Histogram child fed in batches: `observe` (one value) and `observe_all` (an iterable)
+    are the sample list's own append and extend, so observing runs no Python code, and
+    `flush` adds the samples to the child's buckets and sum at once. It writes the child's
+    `_buckets` (one non-cumulative count per upper bound, +Inf last; a value goes to the
+    first bound it does not exceed) and `_sum`: prometheus_client's Histogram layout, which
+    tests/server/test_metrics.py checks through the exported text."""
+    __slots__ = ("child", "samples", "observe", "observe_all")
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+        self.samples: list[float] = []
+        self.observe = self.samples.append
+        self.observe_all = self.samples.extend
+
+    def flush(self) -> None:
+        samples = self.samples
+        total, ordered = sum(samples), sorted(samples)
+        samples.clear()
+        below = 0
+        for bound, bucket in zip(self.child._upper_bounds, self.child._buckets):
+            upto = bisect_right(ordered, bound)  # the samples <= bound
+            if upto > below:
+                bucket.inc(upto - below)
+                below = upto
+        self.child._sum.inc(total)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int,
                  counts_engine_totals: bool = True,
@@ -76,9 +131,8 @@ class ServerMetrics:
         self.model_name = model_name
         self.counts_engine_totals = counts_engine_totals
         self._engine_totals = dict.fromkeys(ENGINE_COUNTERS, 0)
-        # plain totals for the periodic log line (Prometheus counters are write-only here)
-        self.total_prompt_tokens = 0
-        self.total_generation_tokens = 0
+        self._histograms: list[BatchedHistogram] = []  # every one _histogram made
+        self._successes = dict.fromkeys(SUCCESS_REASONS, 0)  # requests since the last flush
         tokens = one_two_five_buckets(max_model_len)
         self.ttft = self._histogram("time_to_first_token_seconds",
                                     "Time to first token", TTFT_BUCKETS)
@@ -103,8 +157,11 @@ class ServerMetrics:
         self.running = self._gauge("num_requests_running", "Sequences running")
         self.waiting = self._gauge("num_requests_waiting", "Sequences waiting")
         self.kv_usage = self._gauge("kv_cache_usage_perc", "KV-cache usage, 1 is full")
-        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens processed")
-        self.generation_tokens = self._counter("generation_tokens", "Tokens generated")
+        # their totals also feed the periodic log line (ThroughputLog)
+        self.prompt_tokens = BatchedCounter(self._counter("prompt_tokens",
+                                                          "Prompt tokens processed"))
+        self.generation_tokens = BatchedCounter(self._counter("generation_tokens",
+                                                              "Tokens generated"))
         self.request_success = Counter(PREFIX + "request_success", "Finished requests",
                                        ["model_name", "finished_reason"], registry=self.registry)
         self.engine_counters = {name: self._counter(name, name.replace("_", " "))
@@ -120,9 +177,12 @@ class ServerMetrics:
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)  # process_*, python_* as vLLM exports them
 
-    def _histogram(self, name: str, doc: str, buckets: list[Any]) -> Any:
-        return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
-                         registry=self.registry).labels(self.model_name)
+    def _histogram(self, name: str, doc: str, buckets: list[Any]) -> BatchedHistogram:
+        histogram = BatchedHistogram(Histogram(PREFIX + name, doc, ["model_name"],
+                                               buckets=buckets, registry=self.registry
+                                               ).labels(self.model_name))
+        self._histograms.append(histogram)
+        return histogram
 
     def _gauge(self, name: str, doc: str) -> Any:
         return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry,
@@ -140,11 +200,8 @@ class ServerMetrics:
     def observe_output(self, output: RequestOutput, first: bool) -> None:
         """Count tokens as they stream; record latencies when the request finishes."""
         if first:
-            self.prompt_tokens.inc(len(output.prompt_token_ids))
-            self.total_prompt_tokens += len(output.prompt_token_ids)
-        new_tokens = sum(len(choice.delta_token_ids) for choice in output.outputs)
-        self.generation_tokens.inc(new_tokens)
-        self.total_generation_tokens += new_tokens
+            self.prompt_tokens.total += len(output.prompt_token_ids)
+        self.generation_tokens.total += sum(map(len, map(_delta_token_ids, output.outputs)))
         if output.finished:
             self._observe_finished(output)
 
@@ -152,8 +209,8 @@ class ServerMetrics:
         self.prompt_len.observe(len(output.prompt_token_ids))
         for choice, timing in zip(output.outputs, output.metrics):
             self.generation_len.observe(len(choice.token_ids))
-            if choice.finish_reason in ("stop", "length"):
-                self.request_success.labels(self.model_name, choice.finish_reason).inc()
+            if choice.finish_reason in self._successes:
+                self._successes[choice.finish_reason] += 1
             self._observe_timing(timing)
 
     def _observe_timing(self, timing: RequestMetrics) -> None:
@@ -165,8 +222,8 @@ class ServerMetrics:
             self.queue_time.observe(scheduled - timing.arrival_time)
         if first is not None:
             self.ttft.observe(first - timing.arrival_time)
-        for before, after in zip(timing.token_times, timing.token_times[1:]):
-            self.itl.observe(after - before)
+        times = timing.token_times
+        self.itl.observe_all(map(sub, times[1:], times))
         if done is not None:
             self.e2e.observe(done - timing.arrival_time)
         if scheduled is not None and first is not None:
@@ -188,17 +245,31 @@ class ServerMetrics:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
         for name in ENGINE_COUNTERS:
             total = getattr(stats, name)
-            self.engine_counters[name].inc(max(0, total - self._engine_totals[name]))
+            if total > self._engine_totals[name]:
+                self.engine_counters[name].inc(total - self._engine_totals[name])
             self._engine_totals[name] = total
         if stats.spec is not None:
             if self.spec is None:
                 self.spec = SpecMetrics(self.registry, self.model_name)
             self.spec.observe(stats.spec)
 
+    def flush(self) -> None:
+        """Hand every batched value observed since the last flush to prometheus_client."""
+        for histogram in self._histograms:
+            if histogram.samples:  # most have none: no call for those
+                histogram.flush()
+        self.prompt_tokens.flush()
+        self.generation_tokens.flush()
+        for reason, count in self._successes.items():
+            if count:
+                self.request_success.labels(self.model_name, reason).inc(count)
+                self._successes[reason] = 0
+
     def render(self) -> bytes:
         """This app's families and its process's (process_*, python_*); with several API
         servers, every server's app families summed (prometheus-client's multiprocess mode
-        has no process families)."""
+        has no process families). Flushes first."""
+        self.flush()
         if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
             return generate_latest(self.registry)
         every_process = CollectorRegistry()
@@ -254,8 +325,8 @@ class ThroughputLog:
 
     def line(self, stats: EngineStats, server_waiting: int, core_silence: float) -> str:
         now = time.monotonic()
-        prompt, generation = (self.metrics.total_prompt_tokens,
-                              self.metrics.total_generation_tokens)
+        prompt, generation = (self.metrics.prompt_tokens.total,
+                              self.metrics.generation_tokens.total)
         then, last_prompt, last_generation = self._last
         self._last = (now, prompt, generation)
         elapsed = max(now - then, 1e-9)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing as mp
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -113,7 +114,9 @@ async def send_one(session: aiohttp.ClientSession, model: str,
 async def _send_all(job: WorkerJob, start: float, done_counter,
                     stop_fd: int) -> list[RequestResult | None]:
     """Every request's result; once `stop_fd` turns readable (the parent's "stop"), the
-    finished ones' and None for the rest, which are cancelled."""
+    finished ones' and None for the rest, which are cancelled. `stop_fd` ends in the blocking
+    mode it came in: uvloop's add_reader makes it non-blocking, and the worker then sends its
+    results down the same pipe, where a large result would raise BlockingIOError."""
     limit = asyncio.Semaphore(job.max_concurrency or len(job.prompts) or 1)
     async with job.target.session() as session:
 
@@ -127,12 +130,14 @@ async def _send_all(job: WorkerJob, start: float, done_counter,
 
         tasks = [asyncio.ensure_future(one(p, t)) for p, t in zip(job.prompts, job.offsets)]
         loop, stop = asyncio.get_running_loop(), asyncio.Event()
+        blocking = os.get_blocking(stop_fd)
         loop.add_reader(stop_fd, stop.set)
         stopped = asyncio.ensure_future(stop.wait())
         waiting = {*tasks, stopped}
         while len(waiting) > 1 and not stopped.done():
             _, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         loop.remove_reader(stop_fd)
+        os.set_blocking(stop_fd, blocking)
         for task in (*tasks, stopped):
             task.cancel()  # a finished task stays finished
         await asyncio.gather(*tasks, stopped, return_exceptions=True)
@@ -167,6 +172,7 @@ def run_workers(target: Target, prompts: list[Prompt], offsets: list[float], num
         parent_end, child_end = ctx.Pipe()
         proc = ctx.Process(target=_worker, args=(job, child_end, done_counter), daemon=True)
         proc.start()
+        child_end.close()  # the worker's only: its exit is then EOF here, not a hang
         workers.append(proc)
         conns.append(parent_end)
     outcomes: dict[int, WorkerOutcome] = {}
