@@ -11,8 +11,8 @@ closer than 5 us merged) and writes profile_spec.json: per step, the wall time, 
 busy time, and each host phase's time (inflated by the profiler's own host cost, so a second
 run times the phases with perf_counter alone: "host_phases_ms"), the device's idle time
 before the draft and before the verification (CUDA events, a third run: "device_gaps");
-and "graphs": each CUDA graph a speculative step replays (the draft's first iteration,
-alone and catching up, and one after it, the target's verification graph, the draft's
+and "graphs": each CUDA graph a speculative step replays (the draft's first iteration
+and one after it, the target's verification graph, the draft's
 follow pass over the same tokens, which a step of verification rows only skips) and the
 target's plain decode graph, replayed alone under the profiler: its kernels in order with
 their device time.
@@ -150,17 +150,13 @@ def device_gaps(bench: Bench, run) -> dict:
     runner = bench.engine.core.runner
     drafter, mixed = runner.speculation.drafter, runner.mixed_graphs
     chain, timeline = drafter.chain, []
-    saved = {name: dict(getattr(chain, name))
-             for name in ("graphs", "catching_up_graphs", "ahead_graphs")}
+    saved = dict(chain.graphs)
     verify_graphs = dict(mixed.graphs)
     methods = [(chain, "run"), (chain, "run_ahead"), (drafter, "draft_ahead"),
                (runner, "launch")]
     originals = [getattr(obj, name) for obj, name in methods]
-    for size, graphs in saved["graphs"].items():
+    for size, graphs in saved.items():
         chain.graphs[size] = [_Marked(graphs[0], timeline, "draft"), *graphs[1:]]
-        chain.catching_up_graphs[size] = _Marked(saved["catching_up_graphs"][size], timeline,
-                                                 "draft")
-        chain.ahead_graphs[size] = _Marked(saved["ahead_graphs"][size], timeline, "draft")
     for size, graph in verify_graphs.items():
         mixed.graphs[size] = _Marked(graph, timeline, "verify")
     # the step's work is queued when the draft is about to be queued ahead, or at the end
@@ -171,8 +167,7 @@ def device_gaps(bench: Bench, run) -> dict:
     runner.launch = _marking_after(originals[3], timeline, "step end")
     run()
     torch.cuda.synchronize()
-    for name, graphs in saved.items():
-        getattr(chain, name).update(graphs)
+    chain.graphs.update(saved)
     mixed.graphs.update(verify_graphs)
     for (obj, name), fn in zip(methods, originals):
         setattr(obj, name, fn)
@@ -251,9 +246,6 @@ def profile_graphs(plain: Bench, bench: Bench, k: int) -> dict:
             f"target_verify_{verify_size}": graph_kernels(target.mixed_graphs.graphs[verify_size]),
             f"draft_follow_{verify_size}":
                 graph_kernels(target.mixed_graphs.follow_graphs[verify_size]),
-            "draft_chain_1_first_catching_up":
-                graph_kernels(drafter.chain.catching_up_graphs[1]),
-            "draft_chain_1_first_ahead": graph_kernels(drafter.chain.ahead_graphs[1]),
             "draft_chain_1_first": graph_kernels(drafter.chain.graphs[1][0]),
             "draft_chain_1_next": graph_kernels(drafter.chain.graphs[1][1])}
 

@@ -30,7 +30,7 @@ def measure_step_times(runner, spec: SpeculativeConfig, sched: SchedulerConfig,
     sizes = sorted({b for b in BATCH_SIZES + (sched.max_num_seqs,)
                     if b <= sched.max_num_seqs and b * (k_max + 1) <= sched.max_num_batched_tokens})
     room = min(sched.max_model_len, runner.num_kv_blocks * runner.block_size)
-    context = min(CONTEXT, room) - k_max - 1
+    context = min(CONTEXT, room) - 2 * k_max - 1
     plain = tuple(_seconds(runner, _step(b, 0, context, runner.block_size), repeats,
                            pipelined=sched.async_scheduling) for b in sizes)
     speculative = {}
@@ -43,8 +43,9 @@ def measure_step_times(runner, spec: SpeculativeConfig, sched: SchedulerConfig,
 
 
 def _step(batch: int, k: int, context: int, block_size: int) -> SchedulerOutput:
-    """batch decoding sequences at position `context`, each with k drafts."""
-    blocks = tuple(range(-(-(context + k + 1) // block_size)))
+    """batch decoding sequences at position `context`, each with k drafts and blocks for k
+    positions past them, as the scheduler gives a speculating request (its lookahead)."""
+    blocks = tuple(range(-(-(context + 2 * k + 1) // block_size)))
     seqs = [ScheduledSequence(f"timing-{i}", [0] * (k + 1), context, blocks, True, GREEDY,
                               num_drafts=k) for i in range(batch)]
     return SchedulerOutput(seqs, num_draft_tokens=batch * k)

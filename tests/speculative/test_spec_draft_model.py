@@ -12,10 +12,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.core.config import ConfigError
-from engine.speculative.draft_model.chain_graphs import DraftChainGraphs
-from engine.worker.cuda_graphs import capture_sizes
 from engine.worker.models.random_checkpoint import make_checkpoint
-from eager_graphs import replay_eagerly
 from server_harness import ServerProcess, metric, serve
 from spec_cases import EACH_SETTING, GREEDY, K, assert_all_blocks_free, make_llm, mixed_params
 
@@ -179,62 +176,76 @@ def test_the_target_reads_the_drafts_from_the_device(tiny_checkpoint):
         assert input_ids[-seq.num_drafts:] == row[:seq.num_drafts]
 
 
-@pytest.mark.parametrize("chain", ["eager", "graphs", "graphs-ahead", "graphs-ahead-rejecting",
-                                   "graphs-ahead-sampled"])
-def test_the_draft_has_kv_wherever_the_target_has(tiny_checkpoint, monkeypatch, chain):
-    """Steps whose every sequence verifies drafts skip the draft's follow pass; the next fill
-    feeds a request that accepted every draft its last one (eagerly, or by the chain graphs'
-    catch-up, replayed eagerly on CPU), or with the graphs drafting ahead, the next step's
-    first iteration queued after the verification does (the token before the next known
-    one and that one). Drafting greedily with the target's own weights, every
-    draft is accepted; "rejecting" corrupts fill i's draft i % (K + 1) - 1, so steps accept
-    1, 2, ..., K drafts in turn; "sampled" has the target sample (none accepted, tokens that
-    differ). Whatever was accepted, the draft's KV equals the target's at every position the
-    request computed."""
-    engine = make_llm(tiny_checkpoint, speculative_config=draft_config(tiny_checkpoint)).engine
+class PausingSwitch:
+    """A switch-off that turns drafting off every fourth step."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def choose(self, batch_size: int) -> int:
+        self.steps += 1
+        return 0 if self.steps % 4 == 0 else K
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("case", ["accepting", "rejecting", "sampled", "pausing",
+                                  "near-max-len"])
+def test_the_draft_has_kv_wherever_the_target_has(tiny_checkpoint, case):
+    """Steps whose every sequence verifies drafts skip the draft's follow pass; the next
+    step's run, queued right behind the verification, writes the one KV they left out (the
+    last draft's, where all were accepted) and its drafts are taken. Drafting greedily with
+    the target's own weights, every draft is accepted ("accepting"); "rejecting" corrupts fill
+    i's draft i % (K + 1) - 1, so steps accept 1, 2, ..., K drafts in turn; "sampled" has the
+    target sample (none accepted, tokens that differ); "pausing" drafts nothing every fourth
+    step (drafts made ahead serve only the step after their verification: later they would
+    be stale and rejected); "near-max-len" decodes to max_model_len 48, where a block table
+    cannot cover the positions a run ahead writes, so those steps follow instead. Whatever
+    was accepted, the draft's KV equals the target's at every position the request computed,
+    and both pools are empty outside its blocks."""
+    max_model_len, max_tokens = (48, 38) if case == "near-max-len" else (1024, 60)
+    engine = make_llm(tiny_checkpoint, speculative_config=draft_config(tiny_checkpoint),
+                      max_model_len=max_model_len).engine
     runner, drafter = engine.runner, engine.runner.speculation.drafter
-    draft_runner = drafter.runner
-    if chain != "eager":
-        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
-        drafter.chain = DraftChainGraphs(
-            draft_runner.model, draft_runner.kv_caches, capture_sizes(4),
-            draft_runner.max_blocks_per_seq,
-            draft_runner.block_size, 1024, draft_runner.device, K)
-        replay_eagerly(drafter.chain)
-    if chain == "graphs":
-        monkeypatch.setattr(drafter, "draft_ahead", lambda *args: None)
-    catch_ups, fills = [], []
-    fill = drafter.fill
+    speculator, fills, fill = engine.core.speculator, [], drafter.fill
 
     def counting(seqs, *rest):
         fills.append(seqs)
-        catch_ups.extend(c for c in drafter.catch_ups(seqs) if c)  # what this fill feeds
         drafts, column = fill(seqs, *rest).clone(), len(fills) % (K + 1) - 1
-        if chain == "graphs-ahead-rejecting" and column >= 0:
+        if case == "rejecting" and column >= 0:
             drafts[:, column] = (drafts[:, column] + 1) % 50257
         return drafts
 
     drafter.fill = counting
-    sampled = chain == "graphs-ahead-sampled"
+    if case == "pausing":
+        speculator.switch = PausingSwitch()
+    sampled = case == "sampled"
     engine.add_request("a", list(range(10)), SamplingParams(
-        temperature=1.0 if sampled else 0.0, seed=3, max_tokens=60, ignore_eos=True))
-    for _ in range(12):
+        temperature=1.0 if sampled else 0.0, seed=3, max_tokens=max_tokens, ignore_eos=True))
+    (request,) = engine.core.scheduler.running or engine.core.scheduler.waiting
+    while request.num_computed_tokens < (44 if case == "near-max-len" else 40):
+        assert not request.status.is_finished
         engine.step()
-    (request,) = engine.core.scheduler.running
-    assert request.num_computed_tokens >= (20 if sampled else 30)
-    stats = engine.core.speculator.stats
-    if chain == "graphs-ahead-rejecting":
+    stats = speculator.stats
+    if case == "rejecting":
         assert 0 < stats.num_accepted_tokens_per_pos[K - 1] < stats.num_drafts
     elif not sampled:
         assert stats.num_accepted_tokens == stats.num_draft_tokens
-    if chain.startswith("graphs-ahead"):  # every fill after the first took the drafts made ahead
-        assert drafter.num_taken_ahead == len(fills) - 1 > 5 and not catch_ups
+    # every fill after the first took the drafts made ahead, but those after a pause or
+    # after a step that followed
+    if case in ("pausing", "near-max-len"):
+        assert 0 < drafter.num_taken_ahead < len(fills) - 1
     else:
-        assert catch_ups and drafter.num_taken_ahead == 0
+        assert drafter.num_taken_ahead == len(fills) - 1 > 5
     blocks = engine.core.block_manager.block_ids(request.request_id)
     positions = torch.arange(request.num_computed_tokens)
     block_size = runner.block_size
-    for (k, v), (draft_k, draft_v) in zip(runner.kv_caches, draft_runner.kv_caches):
+    others = torch.ones(runner.num_kv_blocks, dtype=torch.bool)
+    others[list(blocks)] = False
+    for (k, v), (draft_k, draft_v) in zip(runner.kv_caches, drafter.runner.kv_caches):
         index = (torch.tensor(blocks)[positions // block_size], positions % block_size)
         torch.testing.assert_close(draft_k[index], k[index], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(draft_v[index], v[index], atol=1e-4, rtol=1e-4)
+        for cache in (k, v, draft_k, draft_v):
+            assert not cache[others].any()

@@ -13,7 +13,6 @@ from engine.worker.cuda_graphs import (MIN_MIXED_TOKENS, DecodeGraphs, DecodeSta
                                        MixedGraphs, MixedStager, capture_sizes,
                                        decode_meta_layout, mixed_capture_sizes, mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
-from engine.speculative.draft_model.chain_graphs import DraftChainGraphs
 from engine.worker.inputs import prepare_host_inputs
 from eager_graphs import replay_eagerly
 from fakes import ScriptedProposer, drafts_at_rate
@@ -26,7 +25,7 @@ def test_capture_sizes_cover_every_batch():
 
 
 def test_the_linear_table_covers_every_graphs_rows():
-    """A one-stream verification runs in a small mixed graph, a draft's catching-up
+    """A one-stream verification runs in a small mixed graph, a draft chain's first
     iteration at two rows a sequence: their linears must be in the skinny table even when
     no decode graph has that many rows."""
     config = EngineConfig.from_flat(max_num_seqs=1, max_num_batched_tokens=64)
@@ -65,7 +64,7 @@ def test_graph_decode_equals_eager(tiny_checkpoint, dtype, params):
 def test_draft_model_chain_graphs_equal_eager(tiny_checkpoint, draft_tokens):
     """The draft's iterations as chain graphs (one per draft length) and eagerly: the same
     tokens, and those of decoding without speculation (float32, the target drafting for
-    itself: nearly every draft accepted, so catch-ups run too)."""
+    itself: nearly every draft accepted, so drafts made ahead are taken)."""
     rng = random.Random(1)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 200))] for _ in range(9)]
     params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
@@ -75,14 +74,14 @@ def test_draft_model_chain_graphs_equal_eager(tiny_checkpoint, draft_tokens):
         llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype="float32", max_num_seqs=16,
                   enforce_eager=eager, num_kv_blocks=512, speculative_config=spec)
         if spec:
-            assert (llm.engine.runner.speculation.drafter.chain is None) == eager
+            assert (llm.engine.runner.speculation.drafter.chain.graphs == {}) == eager
             llm.engine.core.speculator.switch = None  # every step drafts, whatever it costs
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if spec:
             stats = llm.engine.core.speculator.stats
             assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
-            # the graphs drafted ahead once the batch was all verification
-            assert (llm.engine.runner.speculation.drafter.num_taken_ahead > 0) == (not eager)
+            # the chain drafted ahead once the batch was all verification
+            assert llm.engine.runner.speculation.drafter.num_taken_ahead > 0
     assert results[0] == results[1] == results[2]
 
 
@@ -264,8 +263,8 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
     replay the mixed-step graph of their padded token count, replaced by eager replays as
     above: the tokens are those of plain eager decoding. For the n-gram method a scripted
     proposer drafts them, each draft corrupted with probability 0.3; the draft model (the
-    target's own weights, its iterations through chain graphs replayed eagerly too) writes
-    its drafts into the staged token ids on the device."""
+    target's own weights, its iterations through its chain's staging) writes its drafts
+    into the staged token ids on the device."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)
     rng = random.Random(5)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 30))] for _ in range(4)]
@@ -287,11 +286,7 @@ def test_speculative_steps_through_the_mixed_graph_staging_match_plain_on_cpu(
             replay_eagerly(mixed)
             runner.mixed_graphs = mixed
         if speculative and method == "draft_model":
-            draft = runner.speculation.drafter.runner
-            chain = runner.speculation.drafter.chain = DraftChainGraphs(
-                draft.model, draft.kv_caches, capture_sizes(4), draft.max_blocks_per_seq,
-                draft.block_size, 1024, torch.device("cpu"), 3)
-            replay_eagerly(chain)
+            chain = runner.speculation.drafter.chain
         if speculative and method == "ngram":
             proposer = llm.engine.core.speculator.proposer = ScriptedProposer()
             for i, reference in enumerate(results[0]):  # the LLM's own request ids

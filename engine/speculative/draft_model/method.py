@@ -71,20 +71,23 @@ def build_draft(config: EngineConfig, target: ModelRunner, draft: DraftCheckpoin
 
 class DraftModelSpeculation:
     """Each step: the draft follows the target's forward (its KV wherever the target writes
-    KV), except where every sequence verifies drafts; before a step with drafts it drafts on
-    the device (`Drafter.fill`), the drafts are written into the step's token ids there and
-    judged there; after a step that verified every sequence, it drafts the next step at once
-    (`Drafter.draft_ahead`)."""
+    KV), unless `Drafter.skips_follow`; before a step with drafts it drafts on the device
+    (`Drafter.fill`), the drafts are written into the step's token ids there and judged
+    there; after a step without the follow it drafts the next step at once
+    (`Drafter.draft_ahead`), and the next step takes those drafts if it is the one they were
+    made for."""
 
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
         self.follower = drafter.follow
+        self._drafted_ahead: list[tuple[str, int]] | None = None  # for the next step only
 
     def plan(self, out: SchedulerOutput, to_sample: list[ScheduledSequence]) -> StepPlan:
-        follow = not all(s.num_drafts for s in out.sequences)
+        drafted_ahead, self._drafted_ahead = self._drafted_ahead, None
+        follow = not self.drafter.skips_follow(out.sequences)
         if not out.num_draft_tokens:
             return StepPlan(to_sample, follow)
-        drafts = self.drafter.fill(to_sample, not follow)  # skips_follow
+        drafts = self.drafter.fill(to_sample, drafted_ahead == _drafting(to_sample))
         return StepPlan(position_rows(to_sample), follow, partial(_writer, to_sample, drafts),
                         (to_sample, drafts))
 
@@ -95,7 +98,13 @@ class DraftModelSpeculation:
         if not plan.follow:
             sampled.begin_host_copy()  # first: the host then waits for the copies only
             self.drafter.draft_ahead(plan.drafts[0], sampled)
+            self._drafted_ahead = _drafting(plan.drafts[0])
         return sampled
+
+
+def _drafting(seqs: list[ScheduledSequence]) -> list[tuple[str, int]]:
+    """What drafts made ahead must match: each sequence and its draft count, in order."""
+    return [(s.request_id, s.num_drafts) for s in seqs]
 
 
 def _writer(seqs: list[ScheduledSequence], drafts: torch.Tensor, host: HostInputs

@@ -130,8 +130,9 @@ class _PinnedStaging:
     when the device has taken their last copies (a queued mirror must not be rewritten)."""
 
     def __init__(self, graphs: GraphSet, make_stager: MakeStager, device: torch.device):
-        self.ids64 = torch.zeros_like(graphs._ids64, device="cpu").pin_memory()
-        self.ids32 = torch.zeros_like(graphs._ids32, device="cpu").pin_memory()
+        pin = device.type == "cuda"  # pinning needs CUDA; a draft chain stages on CPU too
+        self.ids64 = torch.zeros(graphs._ids64.shape, dtype=torch.int64, pin_memory=pin)
+        self.ids32 = torch.zeros(graphs._ids32.shape, dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self.stager = make_stager(graphs.token_layout.views(self.ids64.numpy()),
                                   graphs.meta_layout.views(self.ids32.numpy()))
