@@ -38,7 +38,8 @@ def build_runner(config: EngineConfig):
         runner.speculation = HostDraftSpeculation(runner.device)
     start = time.perf_counter()
     extra = (0, 0) if draft is None else draft_memory(
-        draft.config, runner.block_size, runner.dtype, config.scheduler.max_num_seqs)
+        draft.config, runner.block_size, runner.dtype, config.scheduler.max_num_seqs,
+        config.model.quantization)
     num_blocks, sizing = ((config.cache.num_kv_blocks, "given") if config.cache.num_kv_blocks
                           else KVSizing(runner, *extra).num_blocks())
     runner.allocate(num_blocks)

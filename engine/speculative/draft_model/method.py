@@ -45,14 +45,20 @@ def _hf_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
-def draft_memory(draft: GPT2Config, block_size: int, dtype: torch.dtype,
-                 max_num_seqs: int) -> tuple[int, int]:
+def draft_memory(draft: GPT2Config, block_size: int, dtype: torch.dtype, max_num_seqs: int,
+                 quantization: str | None = None) -> tuple[int, int]:
     """(bytes a KV block of the target's pool costs the draft's pool beside it, bytes the
-    draft takes beside its pool: its weights, its chain graphs' working memory (the logits of
-    one iteration at the largest batch: no graph keeps logits between replays), a margin)."""
+    draft takes beside its pool: its weights (with `quantization`, the blocks' linears at one
+    byte a weight plus a float32 scale a row, as engine/worker/quantization.py stores them),
+    its chain graphs' working memory (the logits of one iteration at the largest batch: no
+    graph keeps logits between replays), a margin)."""
+    weights = draft.num_parameters * dtype.itemsize
+    if quantization is not None:
+        d, inner = draft.n_embd, draft.n_inner
+        elements, rows = 4 * d * d + 2 * d * inner, 5 * d + inner  # QKV, O, FC, projection
+        weights -= draft.n_layer * (elements * (dtype.itemsize - 1) - 4 * rows)
     logits = max_num_seqs * draft.padded_vocab_size * dtype.itemsize
-    return (kv_block_bytes(draft, block_size, dtype),
-            draft.num_parameters * dtype.itemsize + logits + GRAPH_MARGIN)
+    return kv_block_bytes(draft, block_size, dtype), weights + logits + GRAPH_MARGIN
 
 
 def build_draft(config: EngineConfig, target: ModelRunner, draft: DraftCheckpoint
