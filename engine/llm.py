@@ -4,7 +4,9 @@
         EngineCore.step()          schedule -> runner -> update -> StepOutput (token ids)
         OutputProcessor.process()  -> text, stop strings -> RequestOutputs
 
-A request with n > 1 runs as n sequences ("{id}#{i}") that share the prompt's cached blocks.
+A request with n > 1 runs as n sequences ("{id}#{i}") that share the prompt's cached blocks;
+a beam search runs as one request of the core, whose results are its n choices
+(engine/beam_search.py).
 """
 from __future__ import annotations
 
@@ -12,14 +14,14 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
-from engine.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams,
-                                BeamSearchSequence, step_result)
+from engine.beam_search import (BeamSearchOutput, BeamSearchParams, BeamSearchSequence,
+                                beam_search_requests, beam_sequences, search_params)
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig, load_config
 from engine.build import build_engine_core
 from engine.core.messages import ENGINE_COUNTERS, EngineStats
 from engine.core.request import SamplingParams
-from engine.core.scheduler import Scheduler, check_fits
+from engine.core.scheduler import Scheduler
 from engine.output.outputs import RequestOutput
 from engine.output.processor import OutputProcessor
 from engine.output.tokenizer import Tokenizer
@@ -55,6 +57,20 @@ class LLMEngine:
         try:
             for seq in sequences:
                 self.core.add(seq)
+        except ValueError:
+            self.processor.abort(request_id)
+            raise
+
+    def add_beam_search(self, request_id: str, prompt: Prompt, params: BeamSearchParams,
+                        arrival_time: float | None = None) -> None:
+        """Queue a beam search; ValueError on bad input, or if it can never run. Its
+        RequestOutput's choices are its results, best first (`beam_sequences` reads them)."""
+        token_ids = self.tokenizer.encode_prompt(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        choices = self.processor.add(request_id, prompt if isinstance(prompt, str) else None,
+                                     token_ids, search_params(params), arrival)
+        try:
+            self.core.add(beam_search_requests(choices, [params])[0])
         except ValueError:
             self.processor.abort(request_id)
             raise
@@ -121,35 +137,21 @@ class LLM:
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's offline beam search: one BeamSearchOutput per prompt, in order; all prompts'
-        beams step together. A sequence's `text` includes the prompt's (as vLLM's), not a
-        final EOS. ValueError if a prompt plus max_tokens cannot fit the context or pool."""
-        from tqdm import tqdm
-
-        searches = [self._start_beam_search(prompt, params)
-                    for prompt in _as_prompt_list(prompts)]
-        live = list(searches)
-        with tqdm(total=params.max_tokens, desc="beam search", unit="step",
-                  disable=not use_tqdm) as bar:
-            while live:
-                self._beam_step(live)
-                live = [search for search in live if not search.finished]
-                bar.update(1)
-        return [BeamSearchOutput(self._with_text(search.result())) for search in searches]
-
-    def _start_beam_search(self, prompt: Prompt, params: BeamSearchParams) -> BeamSearch:
-        token_ids = self.engine.tokenizer.encode_prompt(prompt)
-        check_fits(len(token_ids), params.max_tokens, self.engine.config.scheduler.max_model_len,
-                   self.engine.block_manager.num_tokens)
-        return BeamSearch(token_ids, params)
-
-    def _beam_step(self, searches: list[BeamSearch]) -> None:
-        """One step of every search: their beams' one-token requests run as one batch."""
-        batches = [(search, search.requests()) for search in searches]
-        outputs = iter(self.generate([tokens for _, batch in batches for tokens in batch],
-                                     [search.step_params for search, batch in batches
-                                      for _ in batch], use_tqdm=False))
-        for search, batch in batches:
-            search.advance([step_result(next(outputs)) for _ in batch])
+        searches run together in the engine core. A sequence's `text` includes the prompt's
+        (as vLLM's), not a final EOS. ValueError, with nothing queued, if a prompt plus
+        max_tokens cannot fit the context or a search the pool."""
+        ids = []
+        try:
+            for prompt in _as_prompt_list(prompts):
+                ids.append(str(self._next_id))
+                self._next_id += 1
+                self.engine.add_beam_search(ids[-1], prompt, params)
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        return [BeamSearchOutput(self._with_text(beam_sequences(output, params)))
+                for output in self._run(ids, use_tqdm)]
 
     def _with_text(self, sequences: list[BeamSearchSequence]) -> list[BeamSearchSequence]:
         for seq in sequences:

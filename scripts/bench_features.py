@@ -8,7 +8,8 @@ Sections (--sections, default all):
                    lengths; a batch of 64 where 8 are constrained against one where none is
   compile          the schema's first compile and a cache hit
   prompt-logprobs  TTFT of a 512-token prompt with prompt_logprobs=1 against without
-  beam             beam search, 4 beams x 64 tokens, against n = 4 sampling of 64 tokens
+  beam             beam search, 4 beams x 64 tokens, against n = 4 sampling of 64 tokens (and,
+                   for scale, n = 4 greedy decoding with the 8 logprobs a beam's step asks for)
 Random token prompts (fresh per run: the prefix cache never helps either side).
 """
 from __future__ import annotations
@@ -135,14 +136,18 @@ def bench_beam(llm: LLM, prompts: Prompts, repeats: int = 3) -> dict:
 
     beam = BeamSearchParams(beam_width=4, max_tokens=64, ignore_eos=True)
     sampled = SamplingParams(n=4, max_tokens=64, temperature=1.0, ignore_eos=True)
+    with_logprobs = SamplingParams(n=4, max_tokens=64, temperature=0.0, logprobs=8,
+                                   ignore_eos=True)
     llm.beam_search(prompts.take(1, 64), beam)
-    beams, samples = [], []
+    beams, samples, logprobs = [], [], []
     for _ in range(repeats):
         [prompt] = prompts.take(1, 64)
         beams.append(timed(lambda: llm.beam_search([prompt], beam))[0])
         samples.append(timed(lambda: generate(llm, [prompts.take(1, 64)[0]], sampled))[0])
+        logprobs.append(timed(lambda: generate(llm, [prompts.take(1, 64)[0]], with_logprobs))[0])
     return {"beam_4x64_s": statistics.median(beams), "n4_sampling_64_s":
             statistics.median(samples),
+            "n4_greedy_logprobs8_64_s": statistics.median(logprobs),
             "beam_over_sampling": statistics.median(beams) / statistics.median(samples)}
 
 

@@ -1,6 +1,6 @@
-"""use_beam_search on /v1/completions and /v1/chat/completions: one engine/beam_search.py
-search per prompt, each step run as one-token requests through EngineClient.generate, as
-vLLM's server runs it.
+"""use_beam_search on /v1/completions and /v1/chat/completions: one beam search per prompt,
+each run inside the engine core (engine/core/beam.py) as one request of EngineClient.generate,
+whose n choices are the search's results.
 
 `BeamSearchGeneration` has a `Generation`'s interface (async iteration, `cancel`, `close`).
 It yields once, when every search has finished: each prompt's RequestOutput, its choices the
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from engine.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence, step_result
-from engine.core.request import SamplingParams
+from engine.beam_search import (BeamSearchParams, BeamSearchSequence, beam_sequences,
+                                search_params)
 from engine.output.outputs import CompletionOutput, RequestOutput
 from engine.output.tokenizer import Tokenizer
-from server.engine_client import EngineClient, Generation, Ready, RequestFailed
+from server.engine_client import EngineClient, Ready
 from server.protocol import CompletionRequest, RequestError, max_tokens_of
 
 
@@ -39,69 +39,42 @@ def beam_search_params(req: CompletionRequest, prompts: list[list[int]],
 
 
 class BeamSearchGeneration:
-    """The beam searches of one HTTP request. Creating it checks the whole search's
-    admission and queues the first step, so a refusal is a 400/503 before any response
-    starts; a later step the engine refuses fails the request (RequestFailed)."""
+    """The beam searches of one HTTP request. Creating it checks their admission and queues
+    them, so a refusal is a 400/503 before any response starts; a search the engine fails
+    fails the request (RequestFailed)."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, request_id: str,
                  prompts: list[list[int]], params: list[BeamSearchParams],
                  cache_salt: str | None, priority: int) -> None:
-        engine.check_admission(prompts, [SamplingParams(n=p.beam_width, max_tokens=p.max_tokens)
-                                         for p in params])
-        self._engine, self._tokenizer, self._request_id = engine, tokenizer, request_id
-        self._cache_salt, self._priority = cache_salt, priority
-        self._searches = [BeamSearch(prompt, p) for prompt, p in zip(prompts, params)]
-        self._num_steps = 0
-        self._in_flight: list[tuple[BeamSearch, int]] = []  # searches and their requests
-        self._step: Generation | None = self._start_step()
+        self._tokenizer, self._request_id, self._params = tokenizer, request_id, params
+        _check_fits(prompts, params, engine.connection.pool_tokens)
+        self._searches = engine.generate(request_id, prompts, [search_params(p) for p in params],
+                                         cache_salt, priority, beam=params)
 
     def __aiter__(self) -> AsyncIterator[Ready]:
         return self._iterate()
 
     def cancel(self) -> None:
-        """The client disconnected: abort the step in flight, whose iteration then raises
+        """The client disconnected: abort the searches, whose iteration then raises
         ClientDisconnected."""
-        if self._step is not None:
-            self._step.cancel()
+        self._searches.cancel()
 
     def close(self) -> None:
-        """Abort the step in flight, if any. Idempotent."""
-        if self._step is not None:
-            self._step.close()
+        """Abort the searches that have not finished. Idempotent."""
+        self._searches.close()
 
     async def _iterate(self) -> AsyncIterator[Ready]:
-        while self._step is not None:
-            outputs = iter(await _finals(self._step))
-            for search, count in self._in_flight:
-                search.advance([step_result(next(outputs)) for _ in range(count)])
-            self._step = self._next_step()
-        yield [(index, self._output(search)) for index, search in enumerate(self._searches)]
+        finals: dict[int, RequestOutput] = {}
+        async for ready in self._searches:
+            finals.update(ready)
+        yield [(index, self._output(finals[index], self._params[index]))
+               for index in sorted(finals)]
 
-    def _next_step(self) -> Generation | None:
-        try:
-            return self._start_step()
-        except RequestError as err:  # the queue filled up, or the engine died, meanwhile
-            raise RequestFailed(err.message, err.status, err.code) from None
-
-    def _start_step(self) -> Generation | None:
-        """Queue one one-token request per live beam of every unfinished search; None once
-        every search has finished."""
-        batches = [(search, search.requests()) for search in self._searches
-                   if not search.finished]
-        self._in_flight = [(search, len(batch)) for search, batch in batches]
-        if not batches:
-            return None
-        self._num_steps += 1
-        return self._engine.generate(
-            f"{self._request_id}-beam{self._num_steps}",
-            [tokens for _, batch in batches for tokens in batch],
-            [search.step_params for search, batch in batches for _ in batch],
-            self._cache_salt, self._priority)
-
-    def _output(self, search: BeamSearch) -> RequestOutput:
-        choices = [self._choice(index, seq) for index, seq in enumerate(search.result())]
+    def _output(self, output: RequestOutput, params: BeamSearchParams) -> RequestOutput:
+        choices = [self._choice(index, seq)
+                   for index, seq in enumerate(beam_sequences(output, params))]
         return RequestOutput(request_id=self._request_id, prompt=None,
-                             prompt_token_ids=search.prompt_token_ids, outputs=choices,
+                             prompt_token_ids=output.prompt_token_ids, outputs=choices,
                              metrics=[])
 
     def _choice(self, index: int, seq: BeamSearchSequence) -> CompletionOutput:
@@ -112,10 +85,14 @@ class BeamSearchGeneration:
                                 delta_text=text, delta_token_ids=tokens)
 
 
-async def _finals(step: Generation) -> list[RequestOutput]:
-    """The step's outputs, in the order of its requests (one-token requests finish in one
-    output each)."""
-    finals: dict[int, RequestOutput] = {}
-    async for ready in step:
-        finals.update(ready)
-    return [finals[index] for index in range(len(finals))]
+def _check_fits(prompts: list[list[int]], params: list[BeamSearchParams],
+                pool_tokens: int) -> None:
+    """400 for a search whose beams could never all be held: the prompt plus beam_width x
+    max_tokens tokens past the KV pool (the core reserves that, rounded up to blocks)."""
+    for prompt, p in zip(prompts, params):
+        need = len(prompt) + p.beam_width * p.max_tokens
+        if need > pool_tokens:
+            raise RequestError(f"this beam search may hold {need} tokens of KV ({len(prompt)} "
+                               f"in the prompt, {p.beam_width} beams x {p.max_tokens}); the "
+                               f"KV cache holds {pool_tokens}", param="max_tokens",
+                               code="context_length_exceeded")

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import msgspec
 
+from engine.beam_search import BeamSearchParams, beam_search_requests
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, EngineStats,
                                   FromCore, SequenceFailed, StepOutput, ToCore)
 from engine.core.request import SamplingParams
@@ -218,12 +219,14 @@ class EngineClient:
 
     def generate(self, request_id: str, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams],
-                 cache_salt: str | None = None, priority: int = 0) -> Generation:
+                 cache_salt: str | None = None, priority: int = 0,
+                 beam: list[BeamSearchParams] | None = None) -> Generation:
         """Queue one engine request per prompt, costing P prompts x n sequences against the
         queue cap: 400 if it could never fit or the engine cannot take the input, 503 when
         the queue is full now or the engine is down. Transactional: counted and routed only
         once its message is sent; if anything fails before, nothing of it remains. `params`:
-        every prompt's, or one each (the same n)."""
+        every prompt's, or one each (the same n). `beam`: each prompt's beam search, whose
+        results are its n choices (engine/beam_search.py)."""
         each = params if isinstance(params, list) else [params] * len(prompts)
         self.check_admission(prompts, each)
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -233,6 +236,8 @@ class EngineClient:
                          for sequence in self.processor.add(rid, None, prompt, own, arrival,
                                                             cache_salt=cache_salt,
                                                             priority=priority)]
+            if beam is not None:
+                sequences = beam_search_requests(sequences, beam)
             self.connection.send(AddSequences(sequences, self.connection.client_index))
         except Exception as exc:
             for rid in ids:

@@ -7,6 +7,7 @@ block table, a block shared between different prefixes, a shared block overwritt
 lost or repeated across preemption changes the output and differs from `reference_output`."""
 from __future__ import annotations
 
+import pickle
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -131,3 +132,19 @@ def drafts_at_rate(reference: Sequence[int], rate: float, seed: int,
     (all of them at 1, none at 0)."""
     rng = random.Random(seed)
     return [t if rng.random() < rate else (t + 1) % vocab_size for t in reference]
+
+
+class RecordingRunner:
+    """Passes each step to a real runner and keeps the step (pickled, as a replay reads it)
+    and its output."""
+
+    def __init__(self, runner):
+        self.runner, self.num_kv_blocks = runner, runner.num_kv_blocks
+        self.steps: list[bytes] = []
+        self.outputs: list[RunnerOutput] = []
+
+    def launch(self, out: SchedulerOutput):
+        self.steps.append(pickle.dumps(out))
+        pending = self.runner.launch(out)
+        self.outputs.append(pending.wait())
+        return pending

@@ -73,9 +73,14 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     step_id: int = 0  # tells Scheduler.update which schedule() these results answer
     num_draft_tokens: int = 0  # the sequences' num_drafts summed (0: a step without drafts)
-    apply_before_next: bool = False  # a request here may speculate: apply before the next
+    # a request here may speculate, or is a beam (its group picks the next token): apply
+    # before the next step is scheduled
+    apply_before_next: bool = False
     has_prompt_logprobs: bool = False  # some sequence has a PromptLogprobsJob
     num_tokens: int = -1  # the sequences' new tokens summed; -1: summed here
+    # (src, dst) block pairs: before the forward, block dst of every layer's K and V becomes a
+    # copy of block src (a forked beam's copy of its parent's partial last block)
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:

@@ -9,6 +9,11 @@ Pure Python; the model runner only reads the block tables it produces.
 A full block's key names its whole prefix: key(i) = sha256(key(i-1) || tokens of block i),
 key(-1) empty or a hash of the request's cache_salt (sharing stays within a tenant). Freed
 blocks keep their key until a new allocation evicts them, least recently freed first.
+
+A fork (a beam search's new beam) shares its parent's blocks the same way, by reference
+count; the partial last block, which both would write next, is copied instead: the child
+gets a fresh block and a (src, dst) copy that the runner applies before the next forward.
+So a block held by two tables is never written again.
 """
 from __future__ import annotations
 
@@ -151,6 +156,27 @@ class BlockManager:
                 self._free.move_to_end(block_id, last=False)
         entry.block_ids = entry.block_ids[:keep]
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give child_id a table for the parent's first num_tokens tokens, sharing the
+        parent's blocks (ref counts + 1), but for a partial last block, which both would write
+        next: the child gets a fresh block instead, to be filled with the parent's first
+        (copy on write). Returns those copies, [(src, dst)] or []; None, changing nothing, if
+        no block is free for the copy."""
+        assert child_id not in self._requests, f"{child_id} already holds blocks"
+        parent = self._requests[parent_id]
+        keep = self.blocks_needed(num_tokens)
+        partial = num_tokens % self.block_size != 0
+        if partial and not self._free:
+            return None
+        shared = parent.block_ids[:keep - 1] if partial else parent.block_ids[:keep]
+        for block_id in shared:
+            self.blocks[block_id].ref_count += 1
+        copies = [(parent.block_ids[keep - 1], self._pop_free())] if partial else []
+        self._requests[child_id] = _RequestBlocks(shared + tuple(dst for _, dst in copies),
+                                                  parent.keys[:num_tokens // self.block_size],
+                                                  parent.root)
+        return copies
+
     def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register every block whose tokens are all computed, so later requests can share it."""
         if not self.enable_prefix_caching:
@@ -203,6 +229,8 @@ class BlockManager:
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], f"ref count of {block}"
             assert (block.ref_count == 0) == (block.block_id in self._free), f"free list {block}"
+        for entry in self._requests.values():
+            assert len(entry.keys) <= len(entry.block_ids), "more keys than blocks"
         for key, block_id in self._cached.items():
             assert self.blocks[block_id].key == key, "cache map disagrees with block key"
         assert sum(b.key is not None for b in self.blocks) == len(self._cached)

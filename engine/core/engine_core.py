@@ -24,12 +24,13 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine.core.batch import GrammarMask, PromptLogprobs
+from engine.core.beam import BeamGroup
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
                                   EngineStats, FromCore, SequenceFailed, SequenceOutput,
                                   Shutdown, StepOutput, ToCore)
-from engine.core.request import Request, RequestStatus, StructuredOutputsParams
+from engine.core.request import EOS_TOKEN_ID, Request, RequestStatus, StructuredOutputsParams
 from engine.core.scheduler import Scheduler, Speculator, check_fits
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,13 @@ class EngineCore:
         self._num_sent: dict[str, int] = {}  # seq id -> output tokens already reported
 
     def add(self, request: CoreRequest) -> None:
-        """Queue a sequence. Raises ValueError with a clear message on bad input."""
+        """Queue a sequence, or a beam search. Raises ValueError with a clear message on bad
+        input."""
+        if request.beam is not None:
+            self.scheduler.add_beam_search(BeamGroup(
+                request.seq_id, request.prompt_token_ids, request.beam, request.arrival_time,
+                request.cache_salt, request.priority))
+            return
         seq = Request(request.seq_id, request.prompt_token_ids, request.params,
                       arrival_time=request.arrival_time, cache_salt=request.cache_salt,
                       priority=request.priority)
@@ -174,7 +181,8 @@ class EngineCore:
 
     def _apply(self, scheduled, pending) -> list[SequenceOutput]:
         """Wait for a launched step, update the scheduler, and report what changed (and the
-        sequences their grammar ended since the last step was applied)."""
+        sequences their grammar ended since the last step was applied, and the results of the
+        beam searches it ended)."""
         self._sample_masked(pending)
         result = pending.wait()
         changed = self.scheduler.update(scheduled, result)
@@ -185,11 +193,30 @@ class EngineCore:
             self._completed = []
         logprobs = dict(zip(result.request_ids, result.logprobs)) if any(result.logprobs) else {}
         prompt_logprobs = result.prompt_logprobs  # a changed request's are applied ones
-        return [out for request in changed
-                if (prompt_logprobs or request.status.is_finished
-                    or not request.params.defers_outputs)
-                and (out := self._output_of(request, logprobs.get(request.request_id),
-                                            prompt_logprobs.get(request.request_id)))]
+        outputs = [out for request in changed
+                   if (prompt_logprobs or request.status.is_finished
+                       or not request.params.defers_outputs)
+                   and (out := self._output_of(request, logprobs.get(request.request_id),
+                                               prompt_logprobs.get(request.request_id)))]
+        if self.scheduler.finished_beam_searches:
+            outputs += self._beam_search_results()
+        return outputs
+
+    def _beam_search_results(self) -> list[SequenceOutput]:
+        """Each ended beam search's results, best first, as whole sequences (a final EOS
+        included, with its logprobs); the group is forgotten."""
+        outputs = []
+        for group in self.scheduler.finished_beam_searches:
+            root = group.root
+            for rank, hypothesis in enumerate(group.search.result()):
+                tokens = list(hypothesis.tokens)
+                eos = EOS_TOKEN_ID if hypothesis.ended_by_eos else None
+                outputs.append(SequenceOutput(
+                    group.result_id(rank), tokens, group.step_times[:len(tokens)],
+                    list(hypothesis.logprobs), "stop" if eos is not None else "length", eos,
+                    group.finish_time, root.first_scheduled_time, root.num_cached_tokens))
+        self.scheduler.finished_beam_searches.clear()
+        return outputs
 
     def _advance_grammars(self, changed: list[Request]) -> None:
         """The constrained requests' matchers take their new tokens; a finished request's

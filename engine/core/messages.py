@@ -10,17 +10,21 @@ from __future__ import annotations
 import msgspec
 
 from engine.core.batch import PromptLogprobs, TokenLogprobs
+from engine.core.beam import BeamSearchParams
 from engine.core.request import SamplingParams
 
 
 class CoreRequest(msgspec.Struct, array_like=True, gc=False):
-    """One sequence to generate (a request with n choices is n of these)."""
+    """One sequence to generate (a request with n choices is n of these), or with `beam` one
+    beam search (engine/core/beam.py): seq_id '<id>#0' names its best result, and its results
+    are reported, when it ends, as sequences '<id>#<rank>' (`params` is not read)."""
     seq_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
     cache_salt: str | None = None  # prefix-cache tenant: hits only its own cached blocks
     priority: int = 0  # vLLM's: lower first, under the priority scheduling policy
+    beam: BeamSearchParams | None = None
 
 
 class SequenceOutput(msgspec.Struct, array_like=True, gc=False):

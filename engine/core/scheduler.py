@@ -22,6 +22,12 @@ cannot end it by length, no penalty needs it, and it may not speculate; if the t
 anyway, update drops N+1's work for it. A request that may speculate waits instead, and
 `apply_before_next` tells EngineCore to apply N before scheduling N+1. Drafts and lookahead
 blocks: docs/speculative.md, 3, 4, 8.
+
+A beam search (engine/core/beam.py) runs its live beams as requests whose sampled token is
+ignored: update hands each beam's logprobs to its group, and once every live beam has
+reported, extends, forks and ends beams (`_take_beam_step`). Its steps are applied before
+the next is scheduled, and beams are never preempted (their search's admission reserved
+their blocks and slots).
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from typing import Protocol
 
 from engine.core.batch import (PLACEHOLDER_TOKEN, PromptLogprobsJob, RunnerOutput,
                                ScheduledSequence, SchedulerOutput)
+from engine.core.beam import BeamGroup, reserved_blocks
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
 from engine.core.messages import SpecCounts
@@ -191,6 +198,11 @@ class Scheduler:
         self._step_id = 0
         self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
         self._sample_rows: dict[str, int] = {}  # request id -> its row in the last step's samples
+        self.beam_searches: dict[str, BeamGroup] = {}  # by group id, until they end
+        self.finished_beam_searches: list[BeamGroup] = []  # ended, for EngineCore to report
+        self._beam_of: dict[str, BeamGroup] = {}  # live beam id -> its group; empty: no search
+        self._beam_reserved = [0, 0]  # blocks and sequences reserved by admitted searches
+        self._block_copies: list[tuple[int, int]] = []  # forks' copies, for the next step
 
     # ------------------------------------------------------------------ intake
     def add(self, request: Request) -> None:
@@ -206,6 +218,8 @@ class Scheduler:
         """End a request (abort, or a stop string found by the engine) and free its blocks."""
         request = self.requests.pop(request_id, None)
         if request is None:
+            if request_id in self.beam_searches:  # a beam search: all of its live beams
+                self._end_beam_search(self.beam_searches[request_id], status)
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)  # by identity: at most max_num_seqs entries
@@ -239,6 +253,12 @@ class Scheduler:
             keys = [priority_key(r) for r in waiting]
             assert keys == sorted(keys), "waiting is out of priority order"
             assert not waiting or self.waiting.first() is waiting[0]
+        live = [b for group in self.beam_searches.values() for b in group.live]
+        assert {b.request_id for b in live} == set(self._beam_of), "live beams"
+        assert all(b.status is RequestStatus.RUNNING or b is self._beam_of[b.request_id].root
+                   for b in live), "a beam waits"
+        reserved = [g.reserved for g in self.beam_searches.values() if g.reserved is not None]
+        assert self._beam_reserved == [sum(r[0] for r in reserved), sum(r[1] for r in reserved)]
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -251,6 +271,11 @@ class Scheduler:
         if not preempted:  # memory is tight: let running requests drain first
             self._admit_waiting(budget)
         step, self._step = self._step, None
+        copies = ()
+        if self._beam_of or self._block_copies:  # a beam search runs
+            step.apply_first |= any(rid in self._beam_of for rid in step.sample_rows)
+            if step.sequences:
+                copies, self._block_copies = tuple(self._block_copies), []
         self._sample_rows = step.sample_rows
         self._step_id += 1
         if step.sequences:
@@ -259,7 +284,7 @@ class Scheduler:
                                step_id=self._step_id, num_draft_tokens=step.num_drafts,
                                apply_before_next=step.apply_first,
                                has_prompt_logprobs=step.prompt_logprobs,
-                               num_tokens=step.num_tokens)
+                               num_tokens=step.num_tokens, block_copies=copies)
 
     def _add_to_step(self, request: Request, start: int, num_new: int,
                      drafts: list[int]) -> None:
@@ -317,7 +342,10 @@ class Scheduler:
             # the lookahead only where blocks are free: no request is preempted for it
             while not (ahead > total and self.block_manager.grow(request.request_id, ahead)
                        or self.block_manager.grow(request.request_id, total)):
-                victim = self.running[-1]
+                victim = self._victim(i)
+                if victim is None:  # a beam, with only beams after it: it waits a step
+                    i += 1
+                    break
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -343,6 +371,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.first()
+            if self._beam_of and not self._may_admit_beams(request):
+                break
             tokens = request.all_token_ids
             cached = [] if request.needs_prompt_logprobs else \
                 self.block_manager.find_cached_prefix(tokens, request.cache_salt)
@@ -420,7 +450,7 @@ class Scheduler:
         requests = self._step_requests.pop(scheduled.step_id, {})
         accepted = (dict(zip(output.request_ids, output.accepted_drafts))
                     if scheduled.num_draft_tokens else {})
-        changed = []
+        changed, reports, beams = [], [], self._beam_of
         for seq in scheduled.sequences:
             request = requests[seq.request_id]  # the very request scheduled (ids may be reused)
             if request.status is not RequestStatus.RUNNING:
@@ -432,10 +462,16 @@ class Scheduler:
                 if self._apply_described(request, seq, sampled, accepted, now):
                     changed.append(request)
                 continue
+            if beams and seq.request_id in beams:  # its group picks its token
+                self._computed(request, num_new)
+                reports.append(request)
+                continue
             # one sampled token after known or placeholder tokens: the decode fast path
             self._computed(request, num_new)
             self._append(request, sampled[seq.request_id], now)
             changed.append(request)
+        if reports:
+            self._report_beams(reports, output, now)
         return changed
 
     def _apply_described(self, request: Request, seq: ScheduledSequence,
@@ -504,3 +540,118 @@ class Scheduler:
         if (request.num_output_tokens >= params.max_tokens
                 or request.num_tokens >= self.config.max_model_len):
             self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+
+    # ------------------------------------------------------------ beam search
+    def add_beam_search(self, group: BeamGroup) -> None:
+        """Queue a beam search: its prompt, as its first beam. ValueError if its id is in use
+        or it could never run: a beam too long (check_fits), or more blocks or sequences
+        reserved than the pool or max_num_seqs hold."""
+        if group.group_id in self.beam_searches or group.group_id in self.requests:
+            raise ValueError(f"request id {group.group_id!r} is already in use")
+        prompt, params = group.root.prompt_token_ids, group.search.params
+        check_fits(len(prompt), params.max_tokens, self.config.max_model_len,
+                   self.block_manager.num_tokens)
+        blocks = reserved_blocks(len(prompt), params, self.block_manager.block_size)
+        if blocks > self.block_manager.num_blocks or params.beam_width > self.config.max_num_seqs:
+            raise ValueError(f"this beam search may hold {blocks} KV blocks in "
+                             f"{params.beam_width} sequences; the engine has "
+                             f"{self.block_manager.num_blocks} and runs at most "
+                             f"{self.config.max_num_seqs} sequences")
+        self.add(group.root)
+        self.beam_searches[group.group_id] = group
+        self._beam_of[group.root.request_id] = group
+
+    def _may_admit_beams(self, request: Request) -> bool:
+        """Whether the head of the queue may be admitted: a search's first beam only once the
+        blocks and sequences its search may hold fit beside those reserved by the searches
+        admitted before it; it reserves them then."""
+        group = self._beam_of.get(request.request_id)
+        if group is None or group.reserved is not None:
+            return True
+        params = group.search.params
+        need = (reserved_blocks(len(request.prompt_token_ids), params,
+                                self.block_manager.block_size), params.beam_width)
+        blocks, sequences = self._beam_reserved
+        if (blocks + need[0] > self.block_manager.num_blocks
+                or sequences + need[1] > self.config.max_num_seqs):
+            return False
+        group.reserved = need
+        self._beam_reserved = [blocks + need[0], sequences + need[1]]
+        return True
+
+    def _victim(self, i: int) -> Request | None:
+        """Whom to preempt for running[i]'s blocks: the last running request from i on that
+        is not a beam; None if running[i] is a beam and only beams follow it."""
+        if not self._beam_of:
+            return self.running[-1]
+        return next((r for r in reversed(self.running[i:]) if r.request_id not in self._beam_of),
+                    None)
+
+    def _report_beams(self, beams: list[Request], output: RunnerOutput, now: float) -> None:
+        """Hand each beam's logprobs to its group; a group whose live beams have all reported
+        takes its step."""
+        logprobs = dict(zip(output.request_ids, output.logprobs))
+        for beam in beams:
+            group = self._beam_of[beam.request_id]
+            if group.report(beam.request_id, logprobs[beam.request_id]):
+                self._take_beam_step(group, now)
+
+    def _take_beam_step(self, group: BeamGroup, now: float) -> None:
+        """Apply the group's choice: each new live beam continues its parent in place (the
+        parent's first child) or as a fork of it, then takes its token. Parents without a
+        child end first, so that their blocks and slots serve the forks. A search left without
+        live beams has ended: it waits in finished_beam_searches to be reported."""
+        choice = group.advance(now)  # (parent index, token), best first
+        parents, continued = group.live, {index for index, _ in choice}
+        for index, parent in enumerate(parents):
+            if index not in continued:
+                del self._beam_of[parent.request_id]
+                self.finish(parent.request_id, RequestStatus.FINISHED_STOPPED)
+        live, taken = [], set()
+        for index, _ in choice:
+            live.append(self._fork(parents[index], group) if index in taken else parents[index])
+            taken.add(index)
+        for beam, (_, token) in zip(live, choice):
+            beam.append_output_token(token)
+        group.live = live
+        if not live:
+            self._end_beam_search(group, RequestStatus.FINISHED_STOPPED)
+            self.finished_beam_searches.append(group)
+
+    def _fork(self, parent: Request, group: BeamGroup) -> Request:
+        """A new running beam right after `parent`: a copy of it that shares its blocks
+        (BlockManager.fork; the copy of a partial last block goes with the next step).
+        Ordinary requests are preempted, last first, until a block and a slot are free for it:
+        the search's reservation leaves one once they are gone."""
+        child = Request(group.new_beam_id(), parent.prompt_token_ids, parent.params,
+                        arrival_time=parent.arrival_time, cache_salt=parent.cache_salt,
+                        priority=parent.priority, status=RequestStatus.RUNNING,
+                        output_token_ids=list(parent.output_token_ids))
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.first_scheduled_time = parent.first_scheduled_time
+        while True:
+            if len(self.running) < self.config.max_num_seqs:
+                copies = self.block_manager.fork(parent.request_id, child.request_id,
+                                                 child.num_computed_tokens)
+                if copies is not None:
+                    break
+            victim = self._victim(0)
+            assert victim is not None, "a beam search's reservation was not kept"
+            self._preempt(victim)
+        self._block_copies += copies
+        self.requests[child.request_id] = child
+        self._beam_of[child.request_id] = group
+        self.running.insert(self.running.index(parent) + 1, child)
+        return child
+
+    def _end_beam_search(self, group: BeamGroup, status: RequestStatus) -> None:
+        """End the search's live beams with `status` and release its reservation."""
+        for beam in group.live:
+            del self._beam_of[beam.request_id]
+            self.finish(beam.request_id, status)
+        group.live = []
+        del self.beam_searches[group.group_id]
+        if group.reserved is not None:
+            blocks, sequences = self._beam_reserved
+            self._beam_reserved = [blocks - group.reserved[0], sequences - group.reserved[1]]
+        group.finish_time = self.clock()

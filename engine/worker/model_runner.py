@@ -18,6 +18,7 @@ import torch
 from engine.core.batch import GrammarMask, PromptLogprobs, RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.worker.attention import get_attention_backend
+from engine.worker.block_copy import copy_blocks
 from engine.worker.cuda_graphs import DecodeGraphs, GraphPlan, MaskedDrawGraphs, MixedGraphs
 from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
 from engine.worker.inputs import is_decode_step, prepare_host_inputs, take_placeholders, to_device
@@ -139,7 +140,9 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_on(self, out: SchedulerOutput, kv_caches: list[KVCache]) -> PendingStep:
         """launch() into the given caches (KV sizing's worst-case step runs on a scratch
-        one)."""
+        one), after the step's block copies."""
+        if out.block_copies:
+            copy_blocks(kv_caches, out.block_copies)
         to_sample = [s for s in out.sequences if s.sample]
         plan = self.speculation.plan(out, to_sample)
         draw_inputs = self.sampler.draw_inputs(plan.sample_rows)

@@ -1,16 +1,21 @@
-"""Beam search (engine/beam_search.py) through the offline LLM on CPU, against transformers'
+"""Beam search (engine/core/beam.py) through the offline LLM on CPU, against transformers'
 greedy beam search (`generate(num_beams=B, ...)`) on the same random weights: a tiny GPT-2
 whose candidates rarely come within float32 noise of each other and whose beams often end by
 EOS, so that the length penalty and the early-stopping rules decide between hypotheses of
-different lengths (tests/peaky_checkpoint.py)."""
+different lengths (tests/peaky_checkpoint.py). And how a search runs in the engine: one decode
+step per token, beside ordinary requests, in steps that replay."""
+import pickle
 import random
 
 import pytest
 import torch
 
-from engine import LLM
-from engine.beam_search import BeamSearch, BeamSearchParams, step_result
+from engine import LLM, SamplingParams
+from engine.beam_search import BeamSearchParams, beam_sequences
+from engine.build import build_runner
 from engine.core.request import EOS_TOKEN_ID
+from engine.worker.inputs import is_decode_step
+from fakes import RecordingRunner
 from peaky_checkpoint import make_peaky_checkpoint
 
 MAX_TOKENS = 12
@@ -136,26 +141,78 @@ def test_ignore_eos_extends_beams_through_eos(llm, prompts):
     assert any(EOS_TOKEN_ID in seq.output_token_ids for seq in sequences)
 
 
-def test_beam_steps_share_the_prefix_blocks_of_their_beams(llm):
-    """Each step's one-token requests hit, in the prefix cache, every full block of their
-    beam but the last token's: the prompt's and what the parent beam's request computed."""
+@pytest.fixture
+def recorder(llm):
+    core = llm.engine.core
+    recorder = RecordingRunner(core.runner)
+    core.runner = recorder
+    yield recorder
+    core.runner = recorder.runner
+
+
+def test_a_search_step_is_one_decode_step_of_its_live_beams(llm, recorder):
+    """After the prompt's prefill, each step computes one token per live beam, as a decode
+    step (a graph replay on CUDA); nothing is prefilled again. The first fan-out shares the
+    prompt's full blocks and copies its partial one into each fork."""
     block_size = llm.engine.config.cache.block_size
-    manager = llm.engine.block_manager
     prompt = [random.Random(5).randrange(EOS_TOKEN_ID) for _ in range(2 * block_size + 9)]
-    search = BeamSearch(prompt, beam_params(4, 1.0, "never", ignore_eos=True))
-    hits, expected = [], []
-    while not search.finished:
-        requests = search.requests()
-        before = manager.prefix_hits
-        outputs = llm.generate(requests, search.step_params, use_tqdm=False)
-        hits.append(manager.prefix_hits - before)
-        expected.append(sum((len(tokens) - 1) // block_size * block_size for tokens in requests))
-        search.advance([step_result(output) for output in outputs])
-    assert hits[0] == 0 and len(hits) == MAX_TOKENS
-    assert hits[1:] == expected[1:]
-    assert min(expected[1:]) >= 4 * 2 * block_size  # four beams sharing the prompt's blocks
+    llm.beam_search([prompt], beam_params(4, 1.0, "never", ignore_eos=True))
+    steps = [pickle.loads(raw) for raw in recorder.steps]
+    assert len(steps) == MAX_TOKENS
+    assert [len(s.token_ids) for s in steps[0].sequences] == [len(prompt)]
+    for k, step in enumerate(steps[1:]):
+        assert is_decode_step(step.sequences) and len(step.sequences) == 4
+        assert {s.start_position for s in step.sequences} == {len(prompt) + k}
+    first = steps[1].sequences
+    assert len({s.block_ids[:2] for s in first}) == 1
+    assert len(steps[1].block_copies) == 3
+    assert {dst for _, dst in steps[1].block_copies} == {s.block_ids[2] for s in first[1:]}
+    assert all(output.logprobs[0] is not None and len(output.logprobs[0].top_token_ids) == 8
+               for output in recorder.outputs)
+    manager = llm.engine.block_manager
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_ordinary_requests_batched_with_searches_are_unaffected(llm, prompts):
+    """Greedy, seeded and logprobs requests give the same tokens alone and in the steps of
+    running searches; the searches give what they give alone."""
+    ordinary = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True),
+                SamplingParams(temperature=0.8, seed=3, max_tokens=16, logprobs=2,
+                               ignore_eos=True)]
+    params = beam_params(4, 1.0, False)
+    alone = llm.generate(prompts[:3], ordinary, use_tqdm=False)
+    searched = llm.beam_search(prompts, params)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_beam_search(f"beam{i}", prompt, params)
+    for i, (prompt, sampling) in enumerate(zip(prompts, ordinary)):
+        engine.add_request(f"plain{i}", prompt, sampling)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((out.request_id, out) for out in engine.step() if out.finished)
+    for i, out in enumerate(alone):
+        assert finals[f"plain{i}"].outputs[0].token_ids == out.outputs[0].token_ids
+    for i, out in enumerate(searched):
+        together = beam_sequences(finals[f"beam{i}"], params)
+        assert [s.tokens for s in together] == [s.tokens for s in out.sequences]
+
+
+def test_recorded_beam_steps_replay_through_a_fresh_runner(peaky_checkpoint, prompts):
+    """A step carries all a search needs, block copies included: searches and ordinary
+    requests recorded with async scheduling replay through a fresh runner to the same
+    tokens and logprobs."""
+    llm = LLM(model=str(peaky_checkpoint), device="cpu", dtype="float32", num_kv_blocks=128,
+              attention_backend="torch", async_scheduling=True)
+    recorder = RecordingRunner(llm.engine.core.runner)
+    llm.engine.core.runner = recorder
+    llm.beam_search(prompts, beam_params(3, 1.0, False))
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    steps = [pickle.loads(raw) for raw in recorder.steps]
+    assert sum(len(step.block_copies) for step in steps) > 4
+    fresh = build_runner(llm.engine.config)
+    assert [fresh.execute(step) for step in steps] == recorder.outputs
 
 
 def test_temperature_does_not_change_the_beams(llm, prompts):

@@ -8,30 +8,14 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.batch import RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.build import build_runner
-from engine.worker.model_runner import ModelRunner
+from fakes import RecordingRunner
 
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
           SamplingParams(temperature=0.9, max_tokens=8, ignore_eos=True),
           SamplingParams(temperature=1.2, seed=5, max_tokens=8, ignore_eos=True),
           SamplingParams(top_k=5, max_tokens=8, ignore_eos=True)]
-
-
-class RecordingRunner:
-    """Passes each step to the real runner and keeps the step (pickled) and its output."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner, self.num_kv_blocks = runner, runner.num_kv_blocks
-        self.steps: list[bytes] = []
-        self.outputs: list[RunnerOutput] = []
-
-    def launch(self, out: SchedulerOutput):
-        self.steps.append(pickle.dumps(out))
-        pending = self.runner.launch(out)
-        self.outputs.append(pending.wait())
-        return pending
 
 
 @pytest.fixture(scope="module")
