@@ -199,7 +199,12 @@ class SamplingParams:
         """Only the temperature stands between the raw logits and the token (greedy: their
         argmax): no logit bias, token masks, penalties, top-k/top-p/min-p or logprobs
         (min_tokens and structured outputs aside: they depend on the tokens so far)."""
-        return (self.logprobs is None and not self.logit_bias and not self.needs_penalties
+        return self.logprobs is None and self.draws_at_temperature_only
+
+    @functools.cached_property
+    def draws_at_temperature_only(self) -> bool:
+        """draws_from_raw_logits, logprobs aside (they read the raw logits beside the draw)."""
+        return (not self.logit_bias and not self.needs_penalties
                 and self.allowed_token_ids is None and not self.bad_words_token_ids
                 and self.top_k <= 0 and self.top_p == 1.0 and self.min_p == 0.0)
 

@@ -2,6 +2,7 @@
 
     plain rows (temperature only):  draw(logits, T, seed)                one launch on CUDA
       and some with a grammar mask:  then masked_draw(their rows, bitmask) in place: one more
+      and some asking for logprobs:  then log_softmax(their raw logits): gather, top-k
     other batches:  sanitise (NaN, inf) ─▶ raw logprobs (requests asking for them)
       ─▶ grammar mask (structured outputs) ─▶ allowed_token_ids ─▶ bad words ─▶ logit_bias ─▶ min_tokens (mask stop tokens)
       ─▶ penalties
@@ -95,6 +96,12 @@ def is_plain_draw(seqs: list[ScheduledSequence]) -> bool:
                and s.params.structured_outputs is None for s in seqs)
 
 
+def is_plain_but_logprobs(seqs: list[ScheduledSequence]) -> bool:
+    """Every row's token is a plain draw (is_plain_draw), some rows asking for logprobs too."""
+    return all(s.params.draws_at_temperature_only and s.num_output_tokens >= s.params.min_tokens
+               and s.params.structured_outputs is None for s in seqs)
+
+
 def is_plain_but_masked(seqs: list[ScheduledSequence]) -> bool:
     """Every row is a plain draw but for its grammar mask, if it has one."""
     return all(s.params.draws_from_raw_logits and s.num_output_tokens >= s.params.min_tokens
@@ -144,10 +151,17 @@ class Sampler:
         if is_plain_but_masked(seqs):
             return SamplerOutput(self._masked_draw(logits, seqs, temperature, seeds, drawn, mask),
                                  [], [])
-        seeds = upload(seeds, torch.int64, logits.device)
-        logits = sanitize(logits.float())
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[logprob_rows], -1) if logprob_rows else None
+        num_top = [seqs[i].params.logprobs for i in logprob_rows]
+        logits = sanitize(logits.float())
+        if is_plain_but_logprobs(seqs):
+            if drawn is None:  # a graph's draw read the raw logits; here NaN must not win
+                drawn = self.draw(logits, upload(temperature, torch.float32, logits.device),
+                                  upload(seeds, torch.int64, logits.device))
+            return _with_logprobs(SamplerOutput(drawn, logprob_rows, num_top),
+                                  _row_logprobs(logits, logprob_rows))
+        seeds = upload(seeds, torch.int64, logits.device)
+        raw_logprobs = _row_logprobs(logits, logprob_rows) if logprob_rows else None
         logits = apply_grammar_mask(logits, seqs, mask)
         logits = apply_allowed_token_ids(logits, seqs)
         logits = apply_bad_words(logits, seqs)
@@ -156,15 +170,8 @@ class Sampler:
         logits = apply_penalties(logits, seqs)
         # _filter divides by the temperature: the draw scales by 1, or takes the argmax
         scale = upload((temperature > 0).astype(np.float32), torch.float32, logits.device)
-        token_ids = self.draw(_filter(logits, seqs), scale, seeds)
-        num_top = [seqs[i].params.logprobs for i in logprob_rows]
-        out = SamplerOutput(token_ids, logprob_rows, num_top)
-        if raw_logprobs is not None:
-            sampled = token_ids[logprob_rows]
-            out.sampled_logprobs = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
-            out.top_logprobs, out.top_ids = raw_logprobs.topk(max(out.num_top), dim=-1)
-        return out
-
+        out = SamplerOutput(self.draw(_filter(logits, seqs), scale, seeds), logprob_rows, num_top)
+        return out if raw_logprobs is None else _with_logprobs(out, raw_logprobs)
 
     def _masked_draw(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
                      temperature: np.ndarray, seeds: np.ndarray, drawn: torch.Tensor | None,
@@ -189,6 +196,23 @@ class Sampler:
         self.masked_draw(logits, rows_seeds[0], words,
                          upload(temperature[rows], torch.float32, device), rows_seeds[1], drawn)
         return drawn
+
+
+def _row_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The log-softmax of `rows` of the (sanitised, float32) logits; all rows: no gather."""
+    if len(rows) < logits.shape[0]:
+        logits = logits[upload(rows, torch.int64, logits.device)]
+    return torch.log_softmax(logits, -1)
+
+
+def _with_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor) -> SamplerOutput:
+    """`out` with its logprob rows' sampled-token logprob and top alternatives."""
+    sampled = out.token_ids
+    if len(out.logprob_rows) < len(sampled):
+        sampled = sampled[upload(out.logprob_rows, torch.int64, sampled.device)]
+    out.sampled_logprobs = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
+    out.top_logprobs, out.top_ids = raw_logprobs.topk(max(out.num_top), dim=-1)
+    return out
 
 
 def sanitize(logits: torch.Tensor) -> torch.Tensor:

@@ -295,3 +295,18 @@ def test_the_masked_draw_graphs_draw_what_the_kernel_draws(count):
         graphs.run(logits, rows, bitmask, temperature, seeds, drawn)
         assert torch.equal(drawn, expected)
         assert (drawn[rows] >= 0).all() and bits[np.arange(count), drawn[rows].cpu()].all()
+
+
+def test_plain_draws_asking_for_logprobs_keep_the_graphs_draw():
+    """Rows whose only extra is logprobs take the draw a decode graph made (`drawn`) and read
+    their logprobs beside it; the other rows' logprobs stay None."""
+    logits = random_logits(3)
+    seqs = [seq(SamplingParams(temperature=0, logprobs=2)), seq(SamplingParams(temperature=0.7)),
+            seq(SamplingParams(temperature=0.7, logprobs=1))]
+    tokens, logprobs = Sampler()(logits, seqs, drawn=torch.tensor([5, 6, 7])).to_lists()
+    assert tokens == [5, 6, 7]
+    expected = torch.log_softmax(logits.float(), -1)
+    assert logprobs[1] is None
+    assert logprobs[0].token_logprob == pytest.approx(expected[0, 5].item(), abs=1e-5)
+    assert logprobs[2].token_logprob == pytest.approx(expected[2, 7].item(), abs=1e-5)
+    assert logprobs[0].top_token_ids == expected[0].topk(2).indices.tolist()
