@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from engine.core.batch import PLACEHOLDER_TOKEN, RunnerOutput, SchedulerOutput
+from engine.core.messages import AddSequences
 from engine.speculative.proposer import DraftContext
 
 VOCAB = 97
@@ -148,3 +149,28 @@ class RecordingRunner:
         pending = self.runner.launch(out)
         self.outputs.append(pending.wait())
         return pending
+
+
+class ScriptedCore:
+    """A CoreConnection whose core is the test: it keeps what the engine sends (`sent`, and
+    `seq_ids` of the sequences added), and the test delivers messages itself, synchronously,
+    as CoreClient's reader does with all that arrived."""
+    max_model_len, pool_tokens, client_index = 1024, 1 << 20, 0
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.seq_ids: list[str] = []
+
+    def start(self, deliver) -> None:
+        self.deliver = deliver
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+        if isinstance(message, AddSequences):
+            self.seq_ids += [sequence.seq_id for sequence in message.sequences]
+
+    def is_alive(self) -> bool:
+        return True
+
+    async def stop(self, timeout: float) -> None:
+        pass

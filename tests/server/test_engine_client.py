@@ -7,30 +7,10 @@ from engine.core.messages import (AddSequences, EngineStats, SequenceFailed, Seq
                                   StepOutput)
 from engine.core.request import SamplingParams
 from engine.output.tokenizer import Tokenizer
+from fakes import ScriptedCore
 from server.engine_client import EngineClient, RequestFailed
 
 STATS = EngineStats(1, 0, 0.0, 0, 0, 0, 1, 1)
-
-
-class ScriptedCore:
-    """A CoreConnection whose core is the test: it keeps what the engine sends, and the test
-    delivers messages synchronously, as CoreClient's reader does with all that arrived."""
-    max_model_len, pool_tokens, client_index = 64, 1024, 0
-
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def start(self, deliver) -> None:
-        self.deliver = deliver
-
-    def send(self, message) -> None:
-        self.sent.append(message)
-
-    def is_alive(self) -> bool:
-        return True
-
-    async def stop(self, timeout: float) -> None:
-        pass
 
 
 def token_step(seq_id: str, token: int, time: float, finished: bool = False) -> StepOutput:

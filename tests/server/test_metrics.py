@@ -13,9 +13,10 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.core.messages import AddSequences, EngineStats, SequenceOutput, StepOutput
+from engine.core.messages import EngineStats, SequenceOutput, StepOutput
 from engine.core.request import SamplingParams
 from engine.output.tokenizer import Tokenizer
+from fakes import ScriptedCore
 from server.engine_client import EngineClient
 from server.metrics import ITL_BUCKETS, BatchedHistogram, ServerMetrics
 
@@ -79,28 +80,6 @@ def test_a_batched_histogram_exports_what_one_observe_per_value_does():
         assert_same_histogram(histogram_samples(generate_latest(registry), "h"),
                               reference_histogram(observed, ITL_BUCKETS))
     assert batched.samples == []
-
-
-class ScriptedCore:
-    """A CoreConnection whose core is the test: it keeps the sequences it was sent, and the
-    test delivers the steps."""
-    max_model_len, pool_tokens, client_index = 1024, 1 << 20, 0
-
-    def __init__(self) -> None:
-        self.seq_ids: list[str] = []
-
-    def start(self, deliver) -> None:
-        self.deliver = deliver
-
-    def send(self, message) -> None:
-        if isinstance(message, AddSequences):
-            self.seq_ids += [sequence.seq_id for sequence in message.sequences]
-
-    def is_alive(self) -> bool:
-        return True
-
-    async def stop(self, timeout: float) -> None:
-        pass
 
 
 # gaps between a sequence's tokens, in seconds: bucket bounds among them

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from engine.core.messages import AddSequences, EngineStats, SequenceOutput, StepOutput
+from engine.core.messages import EngineStats, SequenceOutput, StepOutput
 from engine.output import detokenize
 from engine.output.tokenizer import Tokenizer
+from fakes import ScriptedCore
 from server.chat import ChatCompletionChunk, ChatDelta, ChatService, ChatStreamChoice
 from server.completions import ChunkFrame, CompletionService, sse_event, stream_events
 from server.engine_client import EngineClient
@@ -34,28 +35,6 @@ TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 MAX_CALLS_PER_CHUNK = {"completions": 34, "chat": 34}
 ENTRY_POINTS = {EngineClient._deliver.__code__, EngineClient._on_steps.__code__,
                 stream_events.__code__}
-
-
-class ScriptedCore:
-    """A CoreConnection whose core is the test: it keeps the sequences it was sent, and the
-    test delivers the steps."""
-    max_model_len, pool_tokens, client_index = 1024, 1 << 20, 0
-
-    def __init__(self) -> None:
-        self.seq_ids: list[str] = []
-
-    def start(self, deliver) -> None:
-        self.deliver = deliver
-
-    def send(self, message) -> None:
-        if isinstance(message, AddSequences):
-            self.seq_ids += [sequence.seq_id for sequence in message.sequences]
-
-    def is_alive(self) -> bool:
-        return True
-
-    async def stop(self, timeout: float) -> None:
-        pass
 
 
 class StayingClient:
