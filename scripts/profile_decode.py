@@ -1,8 +1,10 @@
 """Where a decode step's time goes: graph replay on the GPU versus each host phase of
 LLMEngine.step(), plus the number of kernels in the decode graph. --cprofile N adds the N
-functions with the most own time over the host phases' steps at the largest batch.
+functions with the most own time over the host phases' steps at the largest batch. --beam W
+times the steps of one beam search of width W instead (`batch` is then unused).
 
     python scripts/profile_decode.py --model gpt2 --batch 1,64,256 --cprofile 25
+    python scripts/profile_decode.py --model gpt2 --beam 4 --cprofile 25
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from bench_utils import checkpoint_for
 
 from engine import LLM, LLMEngine, SamplingParams
+from engine.beam_search import BeamSearchParams
 from kernels.timing import cuda_ms
 
 
@@ -33,13 +36,19 @@ def replay_ms(runner, batch: int, repeats: int = 200) -> float:
 
 
 def host_phases(engine: LLMEngine, batch: int, params: SamplingParams,
-                steps: int = 100, profile: cProfile.Profile | None = None) -> dict:
+                steps: int = 100, profile: cProfile.Profile | None = None,
+                beam_width: int = 0) -> dict:
     """Run `steps` decode steps of `batch` requests (128-token prompts, `params` without its
     max_tokens: none ends meanwhile) through LLMEngine.step(), timing the phases it calls
-    (wait overlaps the device, and so does everything after launch while the next step runs)."""
+    (wait overlaps the device, and so does everything after launch while the next step runs).
+    `beam_width`: one beam search of that width instead of the requests."""
     rng = random.Random(0)
     params = replace(params, max_tokens=steps + 20)
-    for i in range(batch):
+    if beam_width:
+        batch = 1
+        engine.add_beam_search("p-beam", [rng.randrange(50256) for _ in range(128)],
+                               BeamSearchParams(beam_width, steps + 20, ignore_eos=True))
+    for i in range(0 if beam_width else batch):
         engine.add_request(f"p{batch}-{i}", [rng.randrange(50256) for _ in range(128)], params)
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) \
             or engine.scheduler.waiting:
@@ -63,7 +72,7 @@ def host_phases(engine: LLMEngine, batch: int, params: SamplingParams,
     for (obj, name, _), fn in zip(timed, originals):
         setattr(obj, name, fn)
     for i in range(batch):
-        engine.abort(f"p{batch}-{i}")
+        engine.abort("p-beam" if beam_width else f"p{batch}-{i}")
     result = {k: round(statistics.median(v), 4) for k, v in timings.items()}
     return {**result, "step_total": round(statistics.median(totals), 4)}
 
@@ -112,13 +121,17 @@ def main() -> None:
     parser.add_argument("--batch", default="1,64")
     parser.add_argument("--output-kind", default="stream", help="stream, delta or final_only")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument("--beam", type=int, default=0, metavar="W")
     args = parser.parse_args()
     checkpoint = checkpoint_for(args.model)
     batches = [int(b) for b in args.batch.split(",")]
     llm = LLM(model=checkpoint, device="cuda", dtype="float16", max_num_seqs=max(batches))
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, output_kind=args.output_kind)
     result = {}
-    for batch in batches:
+    if args.beam:
+        phases = host_phases(llm.engine, 1, greedy, steps=60, beam_width=args.beam)
+        print(args.model, f"beam {args.beam}", json.dumps(phases), flush=True)
+    for batch in ([] if args.beam else batches):
         result[f"b{batch}"] = {"graph_replay_ms": round(replay_ms(llm.engine.runner, batch), 4),
                                "graph_kernels": graph_kernels(llm.engine.runner, batch),
                                "host_phases_ms": host_phases(llm.engine, batch, greedy)}
@@ -126,7 +139,8 @@ def main() -> None:
     print(args.model, args.output_kind, json.dumps(result), flush=True)
     if args.cprofile:
         profile = cProfile.Profile()
-        host_phases(llm.engine, max(batches), greedy, profile=profile)
+        host_phases(llm.engine, max(batches), greedy, steps=60 if args.beam else 100,
+                    profile=profile, beam_width=args.beam)
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.cprofile)
         print(text.getvalue(), flush=True)

@@ -18,7 +18,7 @@ import torch
 from engine.core.batch import GrammarMask, PromptLogprobs, RunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.worker.attention import get_attention_backend
-from engine.worker.block_copy import copy_blocks
+from engine.worker.block_copy import allocate_kv_caches, copy_blocks
 from engine.worker.cuda_graphs import DecodeGraphs, GraphPlan, MaskedDrawGraphs, MixedGraphs
 from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
 from engine.worker.inputs import is_decode_step, prepare_host_inputs, take_placeholders, to_device
@@ -119,12 +119,9 @@ class ModelRunner:
         return kv_block_bytes(self.model.config, self.block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
-        """Zeroed, so never-written slots hold finite values for kernels that load whole blocks."""
         cfg = self.model.config
-        shape = (num_blocks, self.block_size, cfg.n_head, cfg.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
-                for _ in range(cfg.n_layer)]
+        return allocate_kv_caches(cfg.n_layer, (self.block_size, cfg.n_head, cfg.head_dim),
+                                  num_blocks, self.dtype, self.device)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Forward the scheduled tokens, writing their KV, and sample for sample=True

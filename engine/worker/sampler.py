@@ -20,6 +20,7 @@ sampling never waits for the step still running before it.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -153,11 +154,13 @@ class Sampler:
                                  [], [])
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         num_top = [seqs[i].params.logprobs for i in logprob_rows]
+        if is_plain_but_logprobs(seqs) and drawn is not None:  # the graph's draw stands
+            return _with_logprobs(SamplerOutput(drawn, logprob_rows, num_top),
+                                  _row_logprobs(logits, logprob_rows))
         logits = sanitize(logits.float())
-        if is_plain_but_logprobs(seqs):
-            if drawn is None:  # a graph's draw read the raw logits; here NaN must not win
-                drawn = self.draw(logits, upload(temperature, torch.float32, logits.device),
-                                  upload(seeds, torch.int64, logits.device))
+        if is_plain_but_logprobs(seqs):  # drawn here from the sanitised logits: NaN never wins
+            drawn = self.draw(logits, upload(temperature, torch.float32, logits.device),
+                              upload(seeds, torch.int64, logits.device))
             return _with_logprobs(SamplerOutput(drawn, logprob_rows, num_top),
                                   _row_logprobs(logits, logprob_rows))
         seeds = upload(seeds, torch.int64, logits.device)
@@ -199,10 +202,16 @@ class Sampler:
 
 
 def _row_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The log-softmax of `rows` of the (sanitised, float32) logits; all rows: no gather."""
+    """The float32 log-softmax of `rows` of the logits (any float dtype) as `sanitize` leaves
+    them, in three kernels instead of sanitize's six and one: NaN and -inf become -inf, +inf
+    the dtype's largest value, and a row with nothing finite left is uniform (its log-softmax
+    is NaN throughout, replaced by -log V). All rows: no gather."""
     if len(rows) < logits.shape[0]:
         logits = logits[upload(rows, torch.int64, logits.device)]
-    return torch.log_softmax(logits, -1)
+    finite = torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max,
+                              neginf=NEG_INF)
+    return torch.log_softmax(finite, -1, dtype=torch.float32).nan_to_num_(
+        nan=-math.log(logits.shape[-1]), neginf=NEG_INF)
 
 
 def _with_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor) -> SamplerOutput:

@@ -10,7 +10,7 @@ import torch
 from engine.core.batch import GrammarMask, ScheduledSequence
 from engine.core.request import EOS_TOKEN_ID, SamplingParams, StructuredOutputsParams
 from engine.worker import layers
-from engine.worker.sampler import Sampler, apply_penalties
+from engine.worker.sampler import Sampler, _row_logprobs, apply_penalties, sanitize
 
 VOCAB = 1000
 
@@ -310,3 +310,23 @@ def test_plain_draws_asking_for_logprobs_keep_the_graphs_draw():
     assert logprobs[0].token_logprob == pytest.approx(expected[0, 5].item(), abs=1e-5)
     assert logprobs[2].token_logprob == pytest.approx(expected[2, 7].item(), abs=1e-5)
     assert logprobs[0].top_token_ids == expected[0].topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_row_logprobs_equal_the_log_softmax_of_sanitised_logits(dtype):
+    """The lean path's log-softmax (three kernels) gives what sanitize then log_softmax give,
+    broken rows included: NaN entries, +inf entries, a row with nothing finite."""
+    logits = random_logits(5).to(dtype)
+    logits[0] = float("nan")
+    logits[1] = -float("inf")
+    logits[2, ::2] = float("nan")
+    logits[3, 10] = float("inf")
+    logits[4, [20, 30]] = float("inf")
+    expected = torch.log_softmax(sanitize(logits.float()), -1)
+    got = _row_logprobs(logits, [0, 1, 2, 3, 4])
+    assert got.dtype == torch.float32
+    assert torch.allclose(got[[0, 1, 2]], expected[[0, 1, 2]], atol=1e-3)
+    assert got[0].eq(-math.log(VOCAB)).all() and got[2, ::2].eq(-float("inf")).all()
+    for row, hot in ((3, [10]), (4, [20, 30])):  # +inf is the largest finite value: it wins
+        assert torch.allclose(got[row, hot].exp().sum(), torch.tensor(1.0))
+    assert torch.allclose(_row_logprobs(logits, [2, 4]), got[[2, 4]])
