@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator
 
 from engine.beam_search import (BeamSearchParams, BeamSearchSequence, beam_sequences,
                                 search_params)
+from engine.core.beam import SearchTooLarge, check_search_fits
 from engine.output.outputs import CompletionOutput, RequestOutput
 from engine.output.tokenizer import Tokenizer
-from server.engine_client import EngineClient, Ready
+from server.engine_client import CoreConnection, EngineClient, Ready
 from server.protocol import CompletionRequest, RequestError, max_tokens_of
 
 
@@ -47,7 +48,7 @@ class BeamSearchGeneration:
                  prompts: list[list[int]], params: list[BeamSearchParams],
                  cache_salt: str | None, priority: int) -> None:
         self._tokenizer, self._request_id, self._params = tokenizer, request_id, params
-        _check_fits(prompts, params, engine.connection.pool_tokens)
+        _check_fits(prompts, params, engine.connection)
         self._searches = engine.generate(request_id, prompts, [search_params(p) for p in params],
                                          cache_salt, priority, beam=params)
 
@@ -86,13 +87,13 @@ class BeamSearchGeneration:
 
 
 def _check_fits(prompts: list[list[int]], params: list[BeamSearchParams],
-                pool_tokens: int) -> None:
-    """400 for a search whose beams could never all be held: the prompt plus beam_width x
-    max_tokens tokens past the KV pool (the core reserves that, rounded up to blocks)."""
+                core: CoreConnection) -> None:
+    """400 for a search the core would never admit: its worst case holds more blocks than
+    the KV pool or more beams than max_num_seqs (the core's own check)."""
     for prompt, p in zip(prompts, params):
-        need = len(prompt) + p.beam_width * p.max_tokens
-        if need > pool_tokens:
-            raise RequestError(f"this beam search may hold {need} tokens of KV ({len(prompt)} "
-                               f"in the prompt, {p.beam_width} beams x {p.max_tokens}); the "
-                               f"KV cache holds {pool_tokens}", param="max_tokens",
-                               code="context_length_exceeded")
+        try:
+            check_search_fits(len(prompt), p, core.block_size,
+                              core.pool_tokens // core.block_size, core.max_num_seqs)
+        except SearchTooLarge as exc:
+            code = "context_length_exceeded" if exc.param == "max_tokens" else "too_many_sequences"
+            raise RequestError(str(exc), param=exc.param, code=code) from None

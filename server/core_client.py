@@ -29,6 +29,7 @@ class CoreClient:
         it); None when a supervisor did (server/api_servers.py)."""
         self.info, self.client_index, self._owner = info, client_index, owner
         self.max_model_len, self.pool_tokens = info.max_model_len, info.pool_tokens
+        self.block_size, self.max_num_seqs = info.block_size, info.max_num_seqs
         context = zmq.Context.instance()
         self._pull = context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)

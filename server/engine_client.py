@@ -41,6 +41,8 @@ class CoreConnection(Protocol):
     """How the frontend reaches an engine core loop (engine.core.engine_core.run_core_loop)."""
     max_model_len: int
     pool_tokens: int  # tokens the core's KV pool holds: no request may need more
+    block_size: int  # tokens per KV block, and the most sequences a step runs: a beam
+    max_num_seqs: int  # search's admission check (engine/core/beam.py check_search_fits)
     client_index: int  # which of the core's API servers this is (0 with one)
 
     def start(self, deliver: Callable[[FromCore], None]) -> None:

@@ -48,6 +48,8 @@ class CoreInfo:
     from_core: tuple[str, ...]  # one per API server
     pid: int
     max_model_len: int
+    block_size: int
+    max_num_seqs: int
     device: str
     dtype: str
     attention_backend: str
@@ -75,7 +77,8 @@ class EngineProcess:
         child_report.close()
         resolved = self._wait_ready(report)
         self.info = CoreInfo(to_core, from_core, self._process.pid,
-                             config.scheduler.max_model_len, **resolved)
+                             config.scheduler.max_model_len, config.cache.block_size,
+                             config.scheduler.max_num_seqs, **resolved)
 
     def _wait_ready(self, report: Connection) -> dict:
         while not report.poll(0.2):

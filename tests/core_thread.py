@@ -24,6 +24,8 @@ class CoreThread:
         self.core = core
         self.max_model_len = core.config.scheduler.max_model_len
         self.pool_tokens = core.block_manager.num_tokens
+        self.block_size = core.block_manager.block_size
+        self.max_num_seqs = core.config.scheduler.max_num_seqs
         self.client_index = 0
         self._inbox: queue.Queue[ToCore] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)

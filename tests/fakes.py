@@ -156,6 +156,7 @@ class ScriptedCore:
     `seq_ids` of the sequences added), and the test delivers messages itself, synchronously,
     as CoreClient's reader does with all that arrived."""
     max_model_len, pool_tokens, client_index = 1024, 1 << 20, 0
+    block_size, max_num_seqs = 16, 256
 
     def __init__(self) -> None:
         self.sent: list = []

@@ -193,6 +193,31 @@ def reserved_blocks(num_prompt_tokens: int, params: BeamSearchParams, block_size
     return shared + params.beam_width * own
 
 
+class SearchTooLarge(ValueError):
+    """A beam search that could never run; `param` names the request field to blame."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_search_fits(num_prompt_tokens: int, params: BeamSearchParams, block_size: int,
+                      num_blocks: int, max_num_seqs: int) -> None:
+    """SearchTooLarge if the search's worst case (reserved_blocks, beam_width sequences)
+    exceeds the whole KV pool or max_num_seqs: the core would never admit it. The server runs
+    the same check before queueing, so that such a search is a 400."""
+    blocks = reserved_blocks(num_prompt_tokens, params, block_size)
+    if blocks > num_blocks:
+        raise SearchTooLarge(
+            f"this beam search may hold {blocks} KV blocks of {block_size} tokens "
+            f"({num_prompt_tokens} prompt tokens, {params.beam_width} beams x "
+            f"{params.max_tokens}); the KV cache holds {num_blocks} blocks "
+            f"({num_blocks * block_size} tokens)", "max_tokens")
+    if params.beam_width > max_num_seqs:
+        raise SearchTooLarge(f"this beam search runs {params.beam_width} beams; the engine runs "
+                             f"at most {max_num_seqs} sequences at once (max_num_seqs)", "n")
+
+
 class BeamGroup:
     """One prompt's search in the core. `live[i]` is the request computing the search's live
     beam i (ids `{group_id}/beam{k}`); `reports` holds this step's logprobs of those that

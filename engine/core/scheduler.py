@@ -41,7 +41,7 @@ from typing import Protocol
 
 from engine.core.batch import (PLACEHOLDER_TOKEN, PromptLogprobsJob, RunnerOutput,
                                ScheduledSequence, SchedulerOutput)
-from engine.core.beam import BeamGroup, reserved_blocks
+from engine.core.beam import BeamGroup, check_search_fits, reserved_blocks
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
 from engine.core.messages import SpecCounts
@@ -551,12 +551,8 @@ class Scheduler:
         prompt, params = group.root.prompt_token_ids, group.search.params
         check_fits(len(prompt), params.max_tokens, self.config.max_model_len,
                    self.block_manager.num_tokens)
-        blocks = reserved_blocks(len(prompt), params, self.block_manager.block_size)
-        if blocks > self.block_manager.num_blocks or params.beam_width > self.config.max_num_seqs:
-            raise ValueError(f"this beam search may hold {blocks} KV blocks in "
-                             f"{params.beam_width} sequences; the engine has "
-                             f"{self.block_manager.num_blocks} and runs at most "
-                             f"{self.config.max_num_seqs} sequences")
+        check_search_fits(len(prompt), params, self.block_manager.block_size,
+                          self.block_manager.num_blocks, self.config.max_num_seqs)
         self.add(group.root)
         self.beam_searches[group.group_id] = group
         self._beam_of[group.root.request_id] = group

@@ -219,7 +219,7 @@ def test_a_search_that_could_never_fit_is_refused():
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_beam_search("s", [1, 2, 3], BeamSearchParams(beam_width=4, max_tokens=20))
     with pytest.raises(ValueError, match="sequences"):
-        engine.add_beam_search("s", [1, 2, 3], BeamSearchParams(beam_width=5, max_tokens=2))
+        engine.add_beam_search("s", [1, 2, 3], BeamSearchParams(beam_width=5, max_tokens=1))
     with pytest.raises(ValueError, match="maximum context length"):
         engine.add_beam_search("s", [1] * 10, BeamSearchParams(beam_width=2, max_tokens=2048))
     assert not engine.has_unfinished_requests()

@@ -176,17 +176,33 @@ def test_beam_search_refusals_name_the_field(http):
     refused(http, {**chat, "stop": ["x"]}, "stop", "/v1/chat/completions")
 
 
-def test_a_search_larger_than_the_kv_pool_is_a_400(checkpoint, tmp_path):
-    """8 blocks of 16 tokens: 4 beams x 50 tokens can never be held."""
+def test_a_search_the_core_would_never_admit_is_a_400(checkpoint, tmp_path):
+    """8 blocks of 16 tokens, 3 sequences a step. 4 beams x 50 tokens can never be held;
+    nor can 4 x 23 past a 10-token prompt, though its 102 tokens fit: each beam's own
+    blocks round up (3 each, 12 in all). 4 beams never run at once; 2 x 20 fit exactly."""
     proc = ServerProcess(checkpoint, tmp_path / "server.log", "--num-kv-blocks", "8",
-                         "--max-model-len", str(MAX_MODEL_LEN), "--num-cpu-threads", "1")
+                         "--max-num-seqs", "3", "--max-model-len", str(MAX_MODEL_LEN),
+                         "--num-cpu-threads", "1")
     try:
-        response = httpx.post(proc.url + "/v1/completions", timeout=60, json={
-            "prompt": [464] * 10, "use_beam_search": True, "n": 4, "max_tokens": 50})
+        def search(n: int, max_tokens: int) -> httpx.Response:
+            return httpx.post(proc.url + "/v1/completions", timeout=60, json={
+                "prompt": [464] * 10, "use_beam_search": True, "n": n,
+                "max_tokens": max_tokens, "ignore_eos": True})
+
+        for n, max_tokens, message in ((4, 50, "KV cache holds 8 blocks (128 tokens)"),
+                                       (4, 23, "may hold 12 KV blocks")):
+            response = search(n, max_tokens)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+            assert message in error["message"]
+        response = search(4, 20)
         assert response.status_code == 400, response.text
-        error = response.json()["error"]
-        assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
-        assert "KV cache holds 128" in error["message"]
+        assert response.json()["error"]["param"] == "n"
+        assert "at most 3 sequences" in response.json()["error"]["message"]
+        response = search(2, 20)
+        assert response.status_code == 200, response.text
+        assert [len(c["text"]) > 0 for c in response.json()["choices"]] == [True, True]
     finally:
         proc.stop()
 

@@ -15,6 +15,7 @@ KEY = "sk-test"
 class IdleCore:
     """A CoreConnection whose core never speaks: enough for routes that do not generate."""
     max_model_len, pool_tokens, client_index = 64, 1024, 0
+    block_size, max_num_seqs = 16, 256
 
     def start(self, deliver) -> None:
         pass
