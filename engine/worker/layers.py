@@ -5,6 +5,7 @@ quantization on, a `QuantizedWeight`; every `Ops` linear takes either.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -137,6 +138,29 @@ def masked_sample(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tenso
     out[rows] = torch.where(dead, first_allowed, best)
 
 
+def sanitized_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """The float32 log-softmax of logits (any float dtype) sanitised: NaN and -inf count as
+    -inf, +inf as the dtype's largest value, and a row with nothing finite is uniform (its
+    log-softmax is NaN throughout, replaced by -log V). Three kernels."""
+    finite = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max,
+                              neginf=float("-inf"))
+    return torch.log_softmax(finite, -1, dtype=torch.float32).nan_to_num_(
+        nan=-math.log(logits.shape[-1]), neginf=float("-inf"))
+
+
+def token_logprobs(logits: torch.Tensor, rows: torch.Tensor | None, tokens: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each r, of logits row rows[r] (rows None: row r) as a sanitized_log_softmax: the
+    logprob of tokens[rows[r]], and the top k logprobs (descending) with their token ids.
+    logits [N, V]; rows int64 [R]; tokens int64 [N]. Returns float32 [R], float32 [R, k],
+    int64 [R, k]."""
+    if rows is not None:
+        logits, tokens = logits[rows], tokens[rows]
+    logprobs = sanitized_log_softmax(logits)
+    top = logprobs.topk(k, dim=-1)
+    return logprobs.gather(1, tokens[:, None]).squeeze(1), top.values, top.indices
+
+
 class LinearShape(NamedTuple):
     """A linear layer as `Ops` serves it: weight [n, k]; `norm`: called through
     add_norm_linear (the residual add and LayerNorm fused before it); `gelu`: GELU after."""
@@ -155,7 +179,10 @@ class Ops:
     sample: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     # masked_sample(logits, rows, bitmask, temperature, seeds, out): draws into out in place
     masked_sample: Callable[..., None]
+    # token_logprobs(logits, rows, tokens, k) -> (token logprob, top k logprobs, their ids)
+    token_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
-                add_norm_linear=add_norm_linear, sample=sample, masked_sample=masked_sample)
+                add_norm_linear=add_norm_linear, sample=sample, masked_sample=masked_sample,
+                token_logprobs=token_logprobs)

@@ -60,8 +60,9 @@ class ModelRunner:
         self.startup.add("load", time.perf_counter() - start - table_seconds)
         if table_source is not None:
             self.startup.add("skinny table", table_seconds, table_source)
-        self.sampler = Sampler(config.model.seed, self.model.ops.sample,
-                               self.model.ops.masked_sample)
+        ops = self.model.ops
+        self.sampler = Sampler(config.model.seed, ops.sample, ops.masked_sample,
+                               ops.token_logprobs)
         log.info("loaded %s (%s, %s, %s attention) with its kernels in %.1f s", model_dir,
                  self.device, self.dtype, self.attention_backend, time.perf_counter() - start)
         self.block_size = config.cache.block_size

@@ -20,7 +20,6 @@ sampling never waits for the step still running before it.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,14 +115,17 @@ DrawInputs = tuple[np.ndarray, np.ndarray]
 class Sampler:
     """Turns a step's logits into next tokens. `draw` is the device's Gumbel-max op
     (`Ops.sample`), `masked_draw` the same over grammar bitmasks, in place
-    (`Ops.masked_sample`); the only state is the generator that seeds unseeded rows (seeded
-    once, so a whole engine run is reproducible). `masked_graphs`, once the runner has
-    captured them, replay the masked draw after a graph's draws."""
+    (`Ops.masked_sample`), `logprobs` the rows' token logprob and top k (`Ops.token_logprobs`);
+    the only state is the generator that seeds unseeded rows (seeded once, so a whole engine
+    run is reproducible). `masked_graphs`, once the runner has captured them, replay the
+    masked draw after a graph's draws."""
 
-    def __init__(self, seed: int = 0, draw=layers.sample, masked_draw=layers.masked_sample):
+    def __init__(self, seed: int = 0, draw=layers.sample, masked_draw=layers.masked_sample,
+                 logprobs=layers.token_logprobs):
         self.rng = np.random.default_rng(seed)
         self.draw = draw
         self.masked_draw = masked_draw
+        self.logprobs = logprobs
         self.masked_graphs = None  # cuda_graphs.MaskedDrawGraphs
 
     def draw_inputs(self, seqs: list[ScheduledSequence]) -> DrawInputs:
@@ -155,14 +157,12 @@ class Sampler:
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         num_top = [seqs[i].params.logprobs for i in logprob_rows]
         if is_plain_but_logprobs(seqs) and drawn is not None:  # the graph's draw stands
-            return _with_logprobs(SamplerOutput(drawn, logprob_rows, num_top),
-                                  _row_logprobs(logits, logprob_rows))
+            return self._with_logprobs(SamplerOutput(drawn, logprob_rows, num_top), logits)
         logits = sanitize(logits.float())
         if is_plain_but_logprobs(seqs):  # drawn here from the sanitised logits: NaN never wins
             drawn = self.draw(logits, upload(temperature, torch.float32, logits.device),
                               upload(seeds, torch.int64, logits.device))
-            return _with_logprobs(SamplerOutput(drawn, logprob_rows, num_top),
-                                  _row_logprobs(logits, logprob_rows))
+            return self._with_logprobs(SamplerOutput(drawn, logprob_rows, num_top), logits)
         seeds = upload(seeds, torch.int64, logits.device)
         raw_logprobs = _row_logprobs(logits, logprob_rows) if logprob_rows else None
         logits = apply_grammar_mask(logits, seqs, mask)
@@ -174,7 +174,22 @@ class Sampler:
         # _filter divides by the temperature: the draw scales by 1, or takes the argmax
         scale = upload((temperature > 0).astype(np.float32), torch.float32, logits.device)
         out = SamplerOutput(self.draw(_filter(logits, seqs), scale, seeds), logprob_rows, num_top)
-        return out if raw_logprobs is None else _with_logprobs(out, raw_logprobs)
+        return out if raw_logprobs is None else self._with_logprobs(out, raw_logprobs)
+
+    def _with_logprobs(self, out: SamplerOutput, logits: torch.Tensor) -> SamplerOutput:
+        """`out` with its logprob rows' sampled-token logprob and top alternatives, read from
+        `logits`: the step's rows, or its logprob rows alone (a log-softmax taken before the
+        filters, which the op's own log-softmax leaves as it is)."""
+        tokens, rows = out.token_ids, None
+        if len(out.logprob_rows) < len(tokens):
+            picked = upload(out.logprob_rows, torch.int64, tokens.device)
+            if logits.shape[0] == len(tokens):
+                rows = picked
+            else:
+                tokens = tokens[picked]
+        out.sampled_logprobs, out.top_logprobs, out.top_ids = self.logprobs(
+            logits, rows, tokens, max(out.num_top))
+        return out
 
     def _masked_draw(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
                      temperature: np.ndarray, seeds: np.ndarray, drawn: torch.Tensor | None,
@@ -202,26 +217,10 @@ class Sampler:
 
 
 def _row_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The float32 log-softmax of `rows` of the logits (any float dtype) as `sanitize` leaves
-    them, in three kernels instead of sanitize's six and one: NaN and -inf become -inf, +inf
-    the dtype's largest value, and a row with nothing finite left is uniform (its log-softmax
-    is NaN throughout, replaced by -log V). All rows: no gather."""
+    """The float32 sanitized_log_softmax of `rows` of the logits; all rows: no gather."""
     if len(rows) < logits.shape[0]:
         logits = logits[upload(rows, torch.int64, logits.device)]
-    finite = torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max,
-                              neginf=NEG_INF)
-    return torch.log_softmax(finite, -1, dtype=torch.float32).nan_to_num_(
-        nan=-math.log(logits.shape[-1]), neginf=NEG_INF)
-
-
-def _with_logprobs(out: SamplerOutput, raw_logprobs: torch.Tensor) -> SamplerOutput:
-    """`out` with its logprob rows' sampled-token logprob and top alternatives."""
-    sampled = out.token_ids
-    if len(out.logprob_rows) < len(sampled):
-        sampled = sampled[upload(out.logprob_rows, torch.int64, sampled.device)]
-    out.sampled_logprobs = raw_logprobs.gather(1, sampled[:, None]).squeeze(1)
-    out.top_logprobs, out.top_ids = raw_logprobs.topk(max(out.num_top), dim=-1)
-    return out
+    return layers.sanitized_log_softmax(logits)
 
 
 def sanitize(logits: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from engine.worker.attention import AttentionMetadata
 from engine.worker.layers import LinearShape, Ops
 from engine.worker.startup import StartupCache, device_key, source_hash
 from kernels.layernorm import add_layer_norm, layer_norm
+from kernels.logprobs import token_logprobs
 from kernels.linear import LinearDispatch, SkinnyWins, measure_skinny_wins
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from kernels.sampling import masked_row_sample, row_sample
@@ -24,7 +25,7 @@ def triton_ops(skinny_wins: SkinnyWins | None = None) -> Ops:
     linear = LinearDispatch(skinny_wins)
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                add_norm_linear=linear.add_norm_linear, sample=row_sample,
-               masked_sample=masked_row_sample)
+               masked_sample=masked_row_sample, token_logprobs=token_logprobs)
 
 
 def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],

@@ -10,7 +10,8 @@ import torch
 from engine.core.batch import GrammarMask, ScheduledSequence
 from engine.core.request import EOS_TOKEN_ID, SamplingParams, StructuredOutputsParams
 from engine.worker import layers
-from engine.worker.sampler import Sampler, _row_logprobs, apply_penalties, sanitize
+from engine.worker.layers import sanitized_log_softmax
+from engine.worker.sampler import Sampler, apply_penalties, sanitize
 
 VOCAB = 1000
 
@@ -313,8 +314,8 @@ def test_plain_draws_asking_for_logprobs_keep_the_graphs_draw():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_row_logprobs_equal_the_log_softmax_of_sanitised_logits(dtype):
-    """The lean path's log-softmax (three kernels) gives what sanitize then log_softmax give,
+def test_sanitized_log_softmax_equals_the_log_softmax_of_sanitised_logits(dtype):
+    """The logprobs' log-softmax (three kernels) gives what sanitize then log_softmax give,
     broken rows included: NaN entries, +inf entries, a row with nothing finite."""
     logits = random_logits(5).to(dtype)
     logits[0] = float("nan")
@@ -323,10 +324,9 @@ def test_row_logprobs_equal_the_log_softmax_of_sanitised_logits(dtype):
     logits[3, 10] = float("inf")
     logits[4, [20, 30]] = float("inf")
     expected = torch.log_softmax(sanitize(logits.float()), -1)
-    got = _row_logprobs(logits, [0, 1, 2, 3, 4])
+    got = sanitized_log_softmax(logits)
     assert got.dtype == torch.float32
     assert torch.allclose(got[[0, 1, 2]], expected[[0, 1, 2]], atol=1e-3)
     assert got[0].eq(-math.log(VOCAB)).all() and got[2, ::2].eq(-float("inf")).all()
     for row, hot in ((3, [10]), (4, [20, 30])):  # +inf is the largest finite value: it wins
         assert torch.allclose(got[row, hot].exp().sum(), torch.tensor(1.0))
-    assert torch.allclose(_row_logprobs(logits, [2, 4]), got[[2, 4]])
