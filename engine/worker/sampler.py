@@ -164,7 +164,7 @@ class Sampler:
                               upload(seeds, torch.int64, logits.device))
             return self._with_logprobs(SamplerOutput(drawn, logprob_rows, num_top), logits)
         seeds = upload(seeds, torch.int64, logits.device)
-        raw_logprobs = _row_logprobs(logits, logprob_rows) if logprob_rows else None
+        raw_rows = _copy_rows(logits, logprob_rows) if logprob_rows else None
         logits = apply_grammar_mask(logits, seqs, mask)
         logits = apply_allowed_token_ids(logits, seqs)
         logits = apply_bad_words(logits, seqs)
@@ -174,12 +174,11 @@ class Sampler:
         # _filter divides by the temperature: the draw scales by 1, or takes the argmax
         scale = upload((temperature > 0).astype(np.float32), torch.float32, logits.device)
         out = SamplerOutput(self.draw(_filter(logits, seqs), scale, seeds), logprob_rows, num_top)
-        return out if raw_logprobs is None else self._with_logprobs(out, raw_logprobs)
+        return out if raw_rows is None else self._with_logprobs(out, raw_rows)
 
     def _with_logprobs(self, out: SamplerOutput, logits: torch.Tensor) -> SamplerOutput:
         """`out` with its logprob rows' sampled-token logprob and top alternatives, read from
-        `logits`: the step's rows, or its logprob rows alone (a log-softmax taken before the
-        filters, which the op's own log-softmax leaves as it is)."""
+        `logits`: the step's rows, or its logprob rows alone (copied before the filters)."""
         tokens, rows = out.token_ids, None
         if len(out.logprob_rows) < len(tokens):
             picked = upload(out.logprob_rows, torch.int64, tokens.device)
@@ -216,11 +215,11 @@ class Sampler:
         return drawn
 
 
-def _row_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The float32 sanitized_log_softmax of `rows` of the logits; all rows: no gather."""
+def _copy_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A copy of `rows` of the logits, kept from the filters (some write in place)."""
     if len(rows) < logits.shape[0]:
-        logits = logits[upload(rows, torch.int64, logits.device)]
-    return layers.sanitized_log_softmax(logits)
+        return logits[upload(rows, torch.int64, logits.device)]  # a gather copies
+    return logits.clone()
 
 
 def sanitize(logits: torch.Tensor) -> torch.Tensor:
