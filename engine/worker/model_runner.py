@@ -19,7 +19,8 @@ from engine.core.batch import GrammarMask, PromptLogprobs, RunnerOutput, Schedul
 from engine.core.config import EngineConfig
 from engine.worker.attention import get_attention_backend
 from engine.worker.block_copy import allocate_kv_caches, copy_blocks
-from engine.worker.cuda_graphs import DecodeGraphs, GraphPlan, MaskedDrawGraphs, MixedGraphs
+from engine.worker.cuda_graphs import (DecodeGraphs, GraphPlan, LogprobGraphs, MaskedDrawGraphs,
+                                       MixedGraphs)
 from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
 from engine.worker.inputs import is_decode_step, prepare_host_inputs, take_placeholders, to_device
 from engine.worker.kv_sizing import kv_block_bytes
@@ -92,7 +93,8 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Mixed-step graphs (the larger) first, then decode graphs, in one memory pool;
         each graph runs the speculation's follower over the step's inputs too, if it has
-        one. Then the masked draw's graphs (structured outputs' rows after a graph's draw)."""
+        one. Then the masked draw's and the logprobs' graphs (structured outputs' rows after a
+        graph's draw; rows asking for logprobs), in a pool of their own."""
         sched, plan, start, pool = self.config.scheduler, self.graph_plan, time.perf_counter(), None
         follower = self.speculation.follower
         if plan.mixed_sizes:
@@ -109,7 +111,9 @@ class ModelRunner:
         self.sampler.masked_graphs = MaskedDrawGraphs(
             self.model.ops.masked_sample, vocab, -(-vocab // 32), self.dtype, sched.max_num_seqs,
             self.device)
-        self.sampler.masked_graphs.capture()
+        self.sampler.logprob_graphs = LogprobGraphs(self.model.ops.token_logprobs, vocab,
+                                                    self.dtype, sched.max_num_seqs, self.device)
+        self.sampler.logprob_graphs.capture(self.sampler.masked_graphs.capture())
         self.startup.add("graphs", time.perf_counter() - start)
         log.info("captured CUDA graphs in %.1f s: decode for batch sizes %s; mixed steps for "
                  "token counts %s", time.perf_counter() - start, self.decode_graphs.sizes,

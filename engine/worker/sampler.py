@@ -41,8 +41,8 @@ class SamplerOutput:
     logprob_rows: list[int]  # rows whose request asked for logprobs
     num_top: list[int]  # per logprob row: how many alternatives it asked for
     sampled_logprobs: torch.Tensor | None = None  # [len(logprob_rows)]
-    top_ids: torch.Tensor | None = None  # [len(logprob_rows), max(num_top)]
-    top_logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None  # [len(logprob_rows), >= max(num_top)]: row j's first
+    top_logprobs: torch.Tensor | None = None  # num_top[j] (LogprobGraphs give MAX_LOGPROBS)
     # a step with drafts (engine/worker/speculation.py): [N, k + 1] int64, each row's
     # accepted drafts, then its sampled token, then NO_TOKEN
     verified_token_ids: torch.Tensor | None = None
@@ -117,8 +117,8 @@ class Sampler:
     (`Ops.sample`), `masked_draw` the same over grammar bitmasks, in place
     (`Ops.masked_sample`), `logprobs` the rows' token logprob and top k (`Ops.token_logprobs`);
     the only state is the generator that seeds unseeded rows (seeded once, so a whole engine
-    run is reproducible). `masked_graphs`, once the runner has captured them, replay the
-    masked draw after a graph's draws."""
+    run is reproducible). `masked_graphs` and `logprob_graphs`, once the runner has captured
+    them, replay the masked draw after a graph's draws and the logprobs."""
 
     def __init__(self, seed: int = 0, draw=layers.sample, masked_draw=layers.masked_sample,
                  logprobs=layers.token_logprobs):
@@ -127,6 +127,7 @@ class Sampler:
         self.masked_draw = masked_draw
         self.logprobs = logprobs
         self.masked_graphs = None  # cuda_graphs.MaskedDrawGraphs
+        self.logprob_graphs = None  # cuda_graphs.LogprobGraphs
 
     def draw_inputs(self, seqs: list[ScheduledSequence]) -> DrawInputs:
         """Host arrays for this step's draw; every step takes fresh seeds for its rows."""
@@ -186,8 +187,11 @@ class Sampler:
                 rows = picked
             else:
                 tokens = tokens[picked]
-        out.sampled_logprobs, out.top_logprobs, out.top_ids = self.logprobs(
-            logits, rows, tokens, max(out.num_top))
+        op, graphs = self.logprobs, self.logprob_graphs
+        if graphs is not None and graphs.takes(logits, len(out.logprob_rows)):
+            op = graphs.run  # its top logprobs come wider than asked: to_lists cuts each row
+        out.sampled_logprobs, out.top_logprobs, out.top_ids = op(logits, rows, tokens,
+                                                                 max(out.num_top))
         return out
 
     def _masked_draw(self, logits: torch.Tensor, seqs: list[ScheduledSequence],

@@ -19,14 +19,13 @@ import numpy as np
 import torch
 
 from engine.worker.cuda_graphs.graph_set import capture_graph
+from engine.worker.cuda_graphs.plan import power_of_two_sizes
 
 
 class MaskedDrawGraphs:
     def __init__(self, masked_draw: Callable, vocab: int, words: int, dtype: torch.dtype,
                  max_rows: int, device: torch.device) -> None:
-        self.sizes = [1 << i for i in range(max(1, max_rows).bit_length())]
-        if self.sizes[-1] < max_rows:
-            self.sizes.append(self.sizes[-1] * 2)
+        self.sizes = power_of_two_sizes(max_rows)
         top = self.sizes[-1]
         self._draw = masked_draw
         self._staging = torch.zeros(3, top, dtype=torch.int64).pin_memory()

@@ -29,6 +29,13 @@ def mixed_capture_sizes(max_num_batched_tokens: int) -> list[int]:
     return sizes + [max(max_num_batched_tokens, MIN_MIXED_TOKENS)]
 
 
+def power_of_two_sizes(max_rows: int) -> list[int]:
+    """Row counts of the per-row graphs (masked draw, logprobs): 1, 2, 4, ... up to the first
+    that holds max_rows."""
+    sizes = [1 << i for i in range(max(1, max_rows).bit_length())]
+    return sizes if sizes[-1] >= max_rows else [*sizes, sizes[-1] * 2]
+
+
 @dataclass(frozen=True)
 class GraphPlan:
     decode_sizes: tuple[int, ...]  # batch sizes of the decode graphs (and the draft chain's)
@@ -50,6 +57,8 @@ class GraphPlan:
                        *self.mixed_sizes})
 
     def logits_rows(self) -> int:
-        """Logits rows the captured graphs keep between replays, all sizes together."""
-        return sum(self.decode_sizes) + sum(min(s, self.max_sample_rows)
-                                            for s in self.mixed_sizes)
+        """Logits rows the captured graphs keep between replays, all sizes together, and the
+        static rows of the masked draw's and the logprobs' graphs."""
+        return (sum(self.decode_sizes) + sum(min(s, self.max_sample_rows)
+                                             for s in self.mixed_sizes)
+                + 2 * power_of_two_sizes(self.decode_sizes[-1])[-1])
