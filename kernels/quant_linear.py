@@ -33,13 +33,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.arrival_counters import arrive_last, counters_for, reset_counter
+from kernels.arrival_counters import counters_for
 from kernels.device_info import num_sms
 from kernels.layernorm import add_layer_norm
 from kernels.pdl import pdl_options, pdl_prologue_prefetching
 from kernels.skinny_gemm import (AddNorm, TileConfig, _block_n, _block_row_bytes, _block_rows,
                                  _epilogue, _norm_operands, _prefetchable, _row_centres,
-                                 _splits, skinny_linear_reference)
+                                 _splits, skinny_linear_reference, split_k_sum)
 
 MAX_TILE_M = 64  # rows up to which x rides in one tile, W streamed once (as in the skinny GEMM)
 X_TILE_ELEMENTS = 4096  # BLOCK_K x BLOCK_M in one tile: 8 KB of fp16 a pipeline stage
@@ -160,27 +160,11 @@ def _quant_linear_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, s
     out_ptrs = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
     out_mask = n_ok[:, None] & (rows < M)[None, :]
     if SPLIT:
-        num_splits = tl.num_programs(1)
         counter = tl.program_id(2) * tl.num_programs(0) + tile
-        part_rows = M + 2 * NORM  # the columns the epilogue reads
-        part_offs = rows[None, :] * N + offs_n[:, None]
-        part_mask = n_ok[:, None] & (rows < part_rows)[None, :]
-        tl.store(part_ptr + split * part_rows * N + part_offs, acc, mask=part_mask)
-        stats = stats_ptr + tile * num_splits * 2 * BLOCK_M + rows
-        if NORM:
-            tl.store(stats + split * 2 * BLOCK_M, d_sum)
-            tl.store(stats + split * 2 * BLOCK_M + BLOCK_M, d_sq)
-        if arrive_last(counter_ptr + counter, num_splits):
-            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            d_sum = tl.zeros([BLOCK_M], tl.float32)
-            d_sq = tl.zeros([BLOCK_M], tl.float32)
-            for sp in range(num_splits):
-                acc += tl.load(part_ptr + sp * part_rows * N + part_offs, mask=part_mask,
-                               other=0.0, cache_modifier=".cg")
-                if NORM:
-                    d_sum += tl.load(stats + sp * 2 * BLOCK_M, cache_modifier=".cg")
-                    d_sq += tl.load(stats + sp * 2 * BLOCK_M + BLOCK_M, cache_modifier=".cg")
-            reset_counter(counter_ptr + counter)
+        last, acc, d_sum, d_sq = split_k_sum(acc, d_sum, d_sq, part_ptr, stats_ptr,
+                                             counter_ptr + counter, tile, split, offs_n, n_ok,
+                                             rows, M, N, NORM, BLOCK_N, BLOCK_M)
+        if last:
             y = _scaled_epilogue(acc, scale_ptr, d_sum, d_sq, K, eps, bias_ptr, offs_n, n_ok,
                                  rows, M, HAS_BIAS, GELU, NORM)
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)

@@ -59,6 +59,29 @@ def _gumbel_noise(seed, cols):
 
 
 @triton.jit
+def _race(best, index, best_ptr, index_ptr, counter_ptr, row, chunk, num_chunks,
+          CHUNKS_POW2: tl.constexpr):
+    """Store this chunk's (best, index) among row `row`'s partials. The program that arrives
+    last (arrival counter, then reset) returns (True, the lowest index holding the row's
+    maximum: NO_INDEX if every chunk had none); the others (False, NO_INDEX)."""
+    tl.store(best_ptr + row * num_chunks + chunk, best)
+    tl.store(index_ptr + row * num_chunks + chunk, index)
+    winner = tl.full((), NO_INDEX, tl.int32)
+    last = arrive_last(counter_ptr + row, num_chunks)
+    if last:
+        chunks = tl.arange(0, CHUNKS_POW2)
+        ok = chunks < num_chunks
+        bests = tl.load(best_ptr + row * num_chunks + chunks, mask=ok, other=-float("inf"),
+                        cache_modifier=".cg")
+        indices = tl.load(index_ptr + row * num_chunks + chunks, mask=ok, other=NO_INDEX,
+                          cache_modifier=".cg")
+        top = tl.max(bests, axis=0)
+        winner = tl.min(tl.where(bests == top, indices, NO_INDEX), axis=0)
+        reset_counter(counter_ptr + row)
+    return last, winner
+
+
+@triton.jit
 def _sample_kernel(x_ptr, temperature_ptr, seed_ptr, best_ptr, index_ptr, out_ptr, counter_ptr,
                    V, stride_row, CHUNK: tl.constexpr, CHUNKS_POW2: tl.constexpr,
                    USE_PDL: tl.constexpr):
@@ -77,18 +100,10 @@ def _sample_kernel(x_ptr, temperature_ptr, seed_ptr, best_ptr, index_ptr, out_pt
     x = tl.where(x != x, float("inf"), x)  # NaN ranks first
     best = tl.max(x, axis=0)
     index = tl.min(tl.where((x == best) & (offs < V), offs, NO_INDEX), axis=0)
-    tl.store(best_ptr + row * num_chunks + chunk, best)
-    tl.store(index_ptr + row * num_chunks + chunk, index)
-    if arrive_last(counter_ptr + row, num_chunks):
-        chunks = tl.arange(0, CHUNKS_POW2)
-        ok = chunks < num_chunks
-        bests = tl.load(best_ptr + row * num_chunks + chunks, mask=ok, other=-float("inf"),
-                        cache_modifier=".cg")
-        indices = tl.load(index_ptr + row * num_chunks + chunks, mask=ok, other=NO_INDEX,
-                          cache_modifier=".cg")
-        top = tl.max(bests, axis=0)
-        reset_counter(counter_ptr + row)
-        tl.store(out_ptr + row, tl.min(tl.where(bests == top, indices, NO_INDEX), axis=0))
+    last, winner = _race(best, index, best_ptr, index_ptr, counter_ptr, row, chunk,
+                         num_chunks, CHUNKS_POW2)
+    if last:
+        tl.store(out_ptr + row, winner)
 
 
 def row_sample(logits: torch.Tensor, temperature: torch.Tensor,
@@ -134,19 +149,10 @@ def _masked_sample_kernel(x_ptr, rows_ptr, mask_ptr, temperature_ptr, seed_ptr, 
     best = tl.max(x, axis=0)
     # only allowed tokens compete for the index: where all are -inf, the first of them wins
     index = tl.min(tl.where(allowed & (x == best), offs, NO_INDEX), axis=0)
-    tl.store(best_ptr + r * num_chunks + chunk, best)
-    tl.store(index_ptr + r * num_chunks + chunk, index)
-    if arrive_last(counter_ptr + r, num_chunks):
-        chunks = tl.arange(0, CHUNKS_POW2)
-        ok = chunks < num_chunks
-        bests = tl.load(best_ptr + r * num_chunks + chunks, mask=ok, other=-float("inf"),
-                        cache_modifier=".cg")
-        indices = tl.load(index_ptr + r * num_chunks + chunks, mask=ok, other=NO_INDEX,
-                          cache_modifier=".cg")
-        top = tl.max(bests, axis=0)
-        index = tl.min(tl.where(bests == top, indices, NO_INDEX), axis=0)
-        reset_counter(counter_ptr + r)
-        tl.store(out_ptr + row, tl.where(index == NO_INDEX, 0, index))  # nothing allowed: 0
+    last, winner = _race(best, index, best_ptr, index_ptr, counter_ptr, r, chunk, num_chunks,
+                         CHUNKS_POW2)
+    if last:
+        tl.store(out_ptr + row, tl.where(winner == NO_INDEX, 0, winner))  # nothing allowed: 0
 
 
 def masked_row_sample(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,

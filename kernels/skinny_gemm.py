@@ -209,26 +209,10 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, stats_ptr, counter
     out_ptrs = out_ptr + cols[None, :] * stride_om + offs_n[:, None]
     out_mask = n_ok[:, None] & (cols < M)[None, :]
     if SPLIT:
-        num_splits = tl.num_programs(1)
-        part_rows = M + 2 * NORM  # the columns the epilogue reads
-        part_offs = cols[None, :] * N + offs_n[:, None]
-        part_mask = n_ok[:, None] & (cols < part_rows)[None, :]
-        tl.store(part_ptr + split * part_rows * N + part_offs, acc, mask=part_mask)
-        stats = stats_ptr + tile * num_splits * 2 * BLOCK_M + cols
-        if NORM:
-            tl.store(stats + split * 2 * BLOCK_M, d_sum)
-            tl.store(stats + split * 2 * BLOCK_M + BLOCK_M, d_sq)
-        if arrive_last(counter_ptr + tile, num_splits):
-            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            d_sum = tl.zeros([BLOCK_M], tl.float32)
-            d_sq = tl.zeros([BLOCK_M], tl.float32)
-            for sp in range(num_splits):
-                acc += tl.load(part_ptr + sp * part_rows * N + part_offs, mask=part_mask,
-                               other=0.0, cache_modifier=".cg")
-                if NORM:
-                    d_sum += tl.load(stats + sp * 2 * BLOCK_M, cache_modifier=".cg")
-                    d_sq += tl.load(stats + sp * 2 * BLOCK_M + BLOCK_M, cache_modifier=".cg")
-            reset_counter(counter_ptr + tile)
+        last, acc, d_sum, d_sq = split_k_sum(acc, d_sum, d_sq, part_ptr, stats_ptr,
+                                             counter_ptr + tile, tile, split, offs_n, n_ok,
+                                             cols, M, N, NORM, BLOCK_N, BLOCK_M)
+        if last:
             y = _epilogue(acc, d_sum, d_sq, K, eps, bias_ptr, offs_n, n_ok, cols, M, HAS_BIAS,
                           GELU, NORM)
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -236,6 +220,37 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, stats_ptr, counter
         y = _epilogue(acc, d_sum, d_sq, K, eps, bias_ptr, offs_n, n_ok, cols, M, HAS_BIAS,
                       GELU, NORM)
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def split_k_sum(acc, d_sum, d_sq, part_ptr, stats_ptr, counter_ptr, tile, split, offs_n, n_ok,
+                cols, M, N, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Store this K split's partial tile (acc [BLOCK_N, BLOCK_M], and with NORM its
+    LayerNorm sums d_sum, d_sq [BLOCK_M] over the x columns `cols`) among tile `tile`'s. The
+    program that arrives last at `counter_ptr` returns (True, every split's partials summed
+    in split order), then resets the counter; the others return False and their own."""
+    num_splits = tl.num_programs(1)
+    part_rows = M + 2 * NORM  # the columns the epilogue reads
+    part_offs = cols[None, :] * N + offs_n[:, None]
+    part_mask = n_ok[:, None] & (cols < part_rows)[None, :]
+    tl.store(part_ptr + split * part_rows * N + part_offs, acc, mask=part_mask)
+    stats = stats_ptr + tile * num_splits * 2 * BLOCK_M + cols
+    if NORM:
+        tl.store(stats + split * 2 * BLOCK_M, d_sum)
+        tl.store(stats + split * 2 * BLOCK_M + BLOCK_M, d_sq)
+    last = arrive_last(counter_ptr, num_splits)
+    if last:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        d_sum = tl.zeros([BLOCK_M], tl.float32)
+        d_sq = tl.zeros([BLOCK_M], tl.float32)
+        for sp in range(num_splits):
+            acc += tl.load(part_ptr + sp * part_rows * N + part_offs, mask=part_mask,
+                           other=0.0, cache_modifier=".cg")
+            if NORM:
+                d_sum += tl.load(stats + sp * 2 * BLOCK_M, cache_modifier=".cg")
+                d_sq += tl.load(stats + sp * 2 * BLOCK_M + BLOCK_M, cache_modifier=".cg")
+        reset_counter(counter_ptr)
+    return last, acc, d_sum, d_sq
 
 
 def _block_n(n: int, sms: int) -> int:
