@@ -60,6 +60,46 @@ def test_graph_decode_equals_eager(tiny_checkpoint, dtype, params):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_logprobs_and_beam_search_equal_eager(tiny_checkpoint):
+    """Rows asking for logprobs read them from the logprobs' graphs (LogprobGraphs), and beam
+    steps copy forked blocks before their graph replays: both as the eager engine does."""
+    from engine.beam_search import BeamSearchParams
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 100))] for _ in range(5)]
+    asked = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=t, logprobs=k)
+             for t, k in ((0.0, 5), (0.8, 0), (0.0, 20), (0.8, 3), (0.0, 1))]
+    beam = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+    results = []
+    for eager in (True, False):
+        llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype="float16", max_num_seqs=16,
+                  enforce_eager=eager, num_kv_blocks=512)
+        assert (llm.engine.runner.sampler.logprob_graphs is None) == eager
+        outputs = llm.generate(prompts, asked, use_tqdm=False)
+        searches = llm.beam_search(prompts[:2], beam)
+        results.append(([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs],
+                         [[(s.tokens, s.cum_logprob) for s in r.sequences] for r in searches]))
+    (eager_outputs, eager_searches), (graph_outputs, graph_searches) = results
+    for (tokens, logprobs), (graph_tokens, graph_logprobs) in zip(eager_outputs, graph_outputs):
+        assert tokens == graph_tokens
+        for lp, graph_lp in zip(logprobs, graph_logprobs, strict=True):
+            assert graph_lp.token_logprob == pytest.approx(lp.token_logprob, abs=1e-3)
+            assert graph_lp.top_logprobs == pytest.approx(lp.top_logprobs, abs=1e-3)
+            # the graphs pad the batch, so their logits may differ in the last bit: ids agree
+            # wherever no neighbour (nor a value past the list) comes within that
+            values, k = lp.top_logprobs, len(lp.top_logprobs)
+            clear = [i for i in range(k - 1)
+                     if all(abs(values[i] - values[j]) > 2e-3 for j in (i - 1, i + 1) if j >= 0)]
+            assert [lp.top_token_ids[i] for i in clear] == \
+                [graph_lp.top_token_ids[i] for i in clear]
+    for search, graph_search in zip(eager_searches, graph_searches, strict=True):
+        assert [tokens for tokens, _ in search] == [tokens for tokens, _ in graph_search]
+        assert [cum for _, cum in graph_search] == pytest.approx([cum for _, cum in search],
+                                                                 abs=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("draft_tokens", [1, 3])
 def test_draft_model_chain_graphs_equal_eager(tiny_checkpoint, draft_tokens):
     """The draft's iterations as chain graphs (one per draft length) and eagerly: the same
