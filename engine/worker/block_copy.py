@@ -33,6 +33,6 @@ def copy_blocks(kv_caches: list[KVCache], copies: tuple[tuple[int, int], ...]) -
     caches, num_blocks = 2 * len(kv_caches), storage.shape[2]
     rows = storage.view(caches * num_blocks, -1)
     first_rows = np.arange(caches)[:, None] * num_blocks  # block 0 of each cache
-    src, dst = (upload((first_rows + np.array(side)).ravel(), torch.int64, storage.device)
-                for side in zip(*copies))
+    src, dst = upload(first_rows[None] + np.array(copies).T[:, None], torch.int64,
+                      storage.device).view(2, -1)  # one upload: [src rows, dst rows]
     rows.index_copy_(0, dst, rows.index_select(0, src))
