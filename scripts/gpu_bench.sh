@@ -11,7 +11,8 @@
 #   offline           scripts/bench_offline.py on gpt2; NUM_PROMPTS (default 1000), OFFLINE_ARGS
 #   kernels           scripts/bench_kernels.py (kernels_<device>.{json,md})
 #   profile           scripts/profile_decode.py per model in MODELS at PROFILE_BATCH (log only);
-#                     PROFILE_ARGS (e.g. --output-kind final_only --cprofile 25)
+#                     PROFILE_ARGS (e.g. --output-kind final_only --cprofile 25; --beam 4: one
+#                     beam search's steps instead)
 #   serve             scripts/bench_serve.py per model in MODELS (default gpt2); SERVE_ARGS
 #   spec              scripts/bench_spec.py, n-gram/oracle sweeps on SPEC_MODEL (default gpt2-xl);
 #                     SPEC_ARGS
