@@ -1,10 +1,10 @@
-"""Linear layers on the GPU path: cuBLAS (F.linear) or the skinny weight-streaming GEMM, chosen
-per (N, K, M, gelu, norm), with its tile config, by a table measured on the running GPU at
-startup. The skinny kernel fuses bias and GELU, and for the pre-norm linears (QKV, FC) the
-residual add and LayerNorm, into one launch. An 8-bit weight (the engine's QuantizedWeight:
-`data` int8 or float8_e4m3fn [N, K], `scale` float32 [N]) takes kernels/quant_linear.py at
-every M, fused the same way. References: `engine.worker.layers.linear` and
-`engine.worker.layers.add_norm_linear`.
+"""Linear layers on the GPU path: cuBLAS (F.linear), the skinny weight-streaming GEMM or, for one
+or two rows, the GEMV on the CUDA cores, chosen per (N, K, M, gelu, norm), with its config, by
+a table measured on the running GPU at startup. The Triton kernels fuse bias and GELU, and for
+the pre-norm linears (QKV, FC) the residual add and LayerNorm, into one launch. An 8-bit weight
+(the engine's QuantizedWeight: `data` int8 or float8_e4m3fn [N, K], `scale` float32 [N]) takes
+the GEMV where its table says, else kernels/quant_linear.py, fused the same way. References:
+`engine.worker.layers.linear` and `engine.worker.layers.add_norm_linear`.
 """
 from __future__ import annotations
 
@@ -21,31 +21,42 @@ import torch.nn.functional as F
 import triton
 from triton.runtime.errors import OutOfResources
 
+from kernels import gemv
 from kernels.gelu import bias_gelu
+from kernels.gemv import GemvConfig, compile_gemv, gemv_add_norm_linear, gemv_linear
 from kernels.layernorm import add_layer_norm
-from kernels.quant_linear import quant_add_norm_linear, quant_linear
+from kernels.quant_linear import (Weight8, quant_add_norm_linear, quant_linear,
+                                  random_weight8)
 from kernels.skinny_gemm import (MAX_M, TILE_CANDIDATES, AddNorm, TileConfig, compile_skinny,
                                  skinny_add_norm_linear, skinny_linear)
 from kernels.timing import cuda_ms
 
 log = logging.getLogger(__name__)
 ShapeKey = tuple[int, int, int, bool, bool]  # (N, K, M, gelu, norm fused in)
-SkinnyWins = Mapping[ShapeKey, TileConfig]
+LinearConfig = TileConfig | GemvConfig
+LinearWins = Mapping[ShapeKey, LinearConfig]
+# the GEMV configs the startup table tries at M <= gemv.MAX_M: together within 1 % of the best
+# of 124 on the four GPT-2 widths' linears at M = 1, 16-bit and 8-bit, on an H100
+GEMV_CANDIDATES = (GemvConfig(8, 512, 4, 1, True, 2), GemvConfig(8, 256, 4, 1, True, 2),
+                   GemvConfig(8, 512, 4, 1, False, 4))
 
 
 class LinearDispatch:
     """Callable as `linear(x, weight, bias, gelu=False)`, with `add_norm_linear` beside it;
-    `skinny_wins`: shape -> the skinny tile config that beat cuBLAS (empty: never). A weight
-    that is not a tensor is 8-bit (module doc)."""
+    `wins`: shape -> the config of the kernel that beat the default path (empty: never), a
+    TileConfig (skinny GEMM, 16-bit weights) or a GemvConfig. The default is cuBLAS for a
+    16-bit weight, kernels/quant_linear.py for an 8-bit one (a weight that is not a tensor)."""
 
-    def __init__(self, skinny_wins: SkinnyWins | None = None):
-        self.skinny_wins = skinny_wins or {}
+    def __init__(self, wins: LinearWins | None = None):
+        self.wins = wins or {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  gelu: bool = False) -> torch.Tensor:
+        config = self.wins.get((weight.shape[0], weight.shape[1], x.shape[0], gelu, False))
+        if isinstance(config, GemvConfig):
+            return gemv_linear(x, *_operands(weight), bias, gelu, config)
         if not isinstance(weight, torch.Tensor):
             return quant_linear(x, weight.data, weight.scale, bias, gelu)
-        config = self.skinny_wins.get((weight.shape[0], weight.shape[1], x.shape[0], gelu, False))
         if config is not None:
             return skinny_linear(x, weight, bias, gelu, config)
         return bias_gelu(F.linear(x, weight), bias) if gelu else F.linear(x, weight, bias)
@@ -54,75 +65,100 @@ class LinearDispatch:
                         norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor, gelu: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(LayerNorm(x + residual)), x + residual): one skinny launch for the shapes
-        it won, else the add + LayerNorm kernel and then the linear."""
+        """(linear(LayerNorm(x + residual)), x + residual): one launch for the shapes a fused
+        kernel won and for 8-bit weights, else the add + LayerNorm kernel and then cuBLAS."""
+        config = self.wins.get((weight.shape[0], weight.shape[1], x.shape[0], gelu, True))
+        norm = AddNorm(residual, norm_weight, norm_bias, eps)
+        if isinstance(config, GemvConfig):
+            return gemv_add_norm_linear(x, norm, *_operands(weight), bias, gelu, config)
         if not isinstance(weight, torch.Tensor):
-            return quant_add_norm_linear(x, AddNorm(residual, norm_weight, norm_bias, eps),
-                                         weight.data, weight.scale, bias, gelu)
-        config = self.skinny_wins.get((weight.shape[0], weight.shape[1], x.shape[0], gelu, True))
+            return quant_add_norm_linear(x, norm, weight.data, weight.scale, bias, gelu)
         if config is not None:
-            norm = AddNorm(residual, norm_weight, norm_bias, eps)
             return skinny_add_norm_linear(x, norm, weight, bias, gelu, config)
         normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
         return self(normed, weight, bias, gelu), summed
 
 
-def measure_skinny_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],
-                        dtype: torch.dtype, device: torch.device) -> dict[ShapeKey, TileConfig]:
-    """For each (N, K, gelu, norm) and M <= MAX_M, time each candidate tile config against
-    the unfused path inside CUDA graphs (as a captured decode step), weights rotated so they
-    stream from memory as in a real step."""
-    compile_candidates(shapes, batch_sizes, dtype, device)
+def _operands(weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W, None) for a 16-bit weight; (data, scale) for an 8-bit one."""
+    return (weight, None) if isinstance(weight, torch.Tensor) else (weight.data, weight.scale)
+
+
+def candidates(m: int, quantization: str | None) -> tuple[LinearConfig, ...]:
+    """The configs the table times against the default path at M = m."""
+    skinny = TILE_CANDIDATES if quantization is None and m <= MAX_M else ()
+    return skinny + (GEMV_CANDIDATES if m <= gemv.MAX_M else ())
+
+
+def measure_linear_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],
+                        dtype: torch.dtype, device: torch.device,
+                        quantization: str | None = None) -> dict[ShapeKey, LinearConfig]:
+    """For each (N, K, gelu, norm) and M among batch_sizes, time each candidate config against
+    the default path inside CUDA graphs (as a captured decode step), weights (8-bit with
+    `quantization`) rotated so they stream from memory as in a real step."""
+    compile_candidates(shapes, batch_sizes, dtype, device, quantization)
+    itemsize = 1 if quantization else dtype.itemsize
     wins = {}
     for n, k, gelu, norm in shapes:
-        weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5
-                   for _ in range(max(2, (256 << 20) // (n * k * dtype.itemsize)))][:16]
+        weights = [_timing_weight(n, k, dtype, device, quantization)
+                   for _ in range(max(2, (256 << 20) // (n * k * itemsize)))][:16]
         bias = torch.randn(n, dtype=dtype, device=device)
         ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
-        for m in (m for m in batch_sizes if m <= MAX_M):
+        for m in (m for m in batch_sizes if candidates(m, quantization)):
             x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
             key = (n, k, m, gelu, norm)
             paths = {None: LinearDispatch(),
-                     **{c: LinearDispatch({key: c}) for c in TILE_CANDIDATES}}
+                     **{c: LinearDispatch({key: c}) for c in candidates(m, quantization)}}
             times = {config: _graph_ms_if_fits(layer_call(dispatch, x, residual, ln_w, ln_b,
                                                           bias, norm, gelu), weights)
                      for config, dispatch in paths.items()}
             best = min(times, key=times.get)
             if best is not None:
                 wins[key] = best
-            log.info("linear N=%d K=%d M=%d gelu=%s norm=%s: unfused %.4f ms, skinny %s", n, k,
-                     m, gelu, norm, times.pop(None),
-                     ", ".join(f"{tuple(c)} {t:.4f}" for c, t in times.items()))
+            log.info("linear N=%d K=%d M=%d gelu=%s norm=%s: default %.4f ms, %s", n, k, m,
+                     gelu, norm, times.pop(None),
+                     ", ".join(f"{type(c).__name__}{tuple(c)} {t:.4f}" for c, t in times.items()))
     return wins
+
+
+def _timing_weight(n: int, k: int, dtype: torch.dtype, device: torch.device,
+                   quantization: str | None) -> torch.Tensor | Weight8:
+    if quantization:
+        return random_weight8(n, k, quantization, device)
+    return torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5
 
 
 def compile_candidates(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],
                        dtype: torch.dtype, device: torch.device,
-                       candidates: tuple[TileConfig, ...] = TILE_CANDIDATES) -> None:
-    """Compile every variant measure_skinny_wins times, up front in a thread pool (Triton
-    compiles mostly outside the GIL). Needs triton.AsyncCompileMode with ignore_errors, else
-    they compile one by one as timed; a variant failing here fails again, loudly, when timed."""
+                       quantization: str | None = None,
+                       configs: tuple[LinearConfig, ...] | None = None) -> None:
+    """Compile every variant measure_linear_wins times (or those of `configs` at every batch
+    size), up front in a thread pool (Triton compiles mostly outside the GIL). Needs
+    triton.AsyncCompileMode with ignore_errors, else they compile one by one as timed; a
+    variant failing here fails again, loudly, when timed."""
     if not shapes:
         return
     async_compile = getattr(triton, "AsyncCompileMode", None)
     if async_compile is None or "ignore_errors" not in inspect.signature(async_compile).parameters:
-        log.info("this Triton has no AsyncCompileMode(ignore_errors): the skinny GEMM "
+        log.info("this Triton has no AsyncCompileMode(ignore_errors): the linear kernels' "
                  "variants compile one at a time as they are timed")
         return
-    start, threads = time.perf_counter(), min(32, os.cpu_count() or 1)
-    sizes = [m for m in batch_sizes if m <= MAX_M]
+    start, threads, count = time.perf_counter(), min(32, os.cpu_count() or 1), 0
     with ThreadPoolExecutor(threads) as pool, async_compile(pool, ignore_errors=True):
         for n, k, gelu, norm in shapes:
-            weight, bias, ln_w, ln_b = (torch.empty(shape, dtype=dtype, device=device)
-                                        for shape in ((n, k), (n,), (k,), (k,)))
-            for m in sizes:
+            weight = _timing_weight(n, k, dtype, device, quantization)
+            bias, ln_w, ln_b = (torch.empty(d, dtype=dtype, device=device) for d in (n, k, k))
+            for m in batch_sizes:
                 x, residual = (torch.empty(m, k, dtype=dtype, device=device) for _ in range(2))
                 add_norm = AddNorm(residual, ln_w, ln_b, 1e-5) if norm else None
-                for config in candidates:
-                    compile_skinny(x, weight, bias, gelu, add_norm, config)
-    log.info("compiled %d skinny GEMM variants (shape x batch size x tile config) in %.1f s "
-             "on %d threads", len(shapes) * len(sizes) * len(candidates),
-             time.perf_counter() - start, threads)
+                for config in configs or candidates(m, quantization):
+                    count += 1
+                    if isinstance(config, GemvConfig):
+                        compile_gemv(x, *_operands(weight), bias, gelu, add_norm, config)
+                    else:
+                        compile_skinny(x, weight, bias, gelu, add_norm, config)
+    log.info("compiled %d linear kernel variants (shape x batch size x config) in %.1f s on %d "
+             "threads", count, time.perf_counter() - start, threads)
 
 
 def _graph_ms_if_fits(call, weights: list[torch.Tensor]) -> float:

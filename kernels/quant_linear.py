@@ -27,6 +27,7 @@ Tile shapes follow the batch and N (`tile_shape`), from a sweep on an H100. Refe
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -245,6 +246,25 @@ def compile_quant_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tenso
     """Compile, without launching, the variant quant_linear (norm None) or
     quant_add_norm_linear would launch (Triton's warmup; AsyncCompileMode: its pool)."""
     _launch(x, data, scale, bias, gelu, norm, config, compile_only=True)
+
+
+class Weight8(NamedTuple):
+    """An 8-bit weight as the dispatch reads one (the engine's QuantizedWeight's fields)."""
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+WEIGHT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def random_weight8(n: int, k: int, method: str, device: torch.device) -> Weight8:
+    """A random [N, K] weight in `method`'s 8 bits, for timing (values do not change speed)."""
+    data = (torch.randn(n, k, device=device) * 32).clamp(-127, 127).to(WEIGHT_DTYPES[method])
+    return Weight8(data, torch.full((n,), k ** -0.5 / 32, device=device))
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

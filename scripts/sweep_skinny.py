@@ -145,7 +145,7 @@ def main() -> None:
     shapes = [(n, k, gelu, norm) for width in widths
               for _, n, k, gelu, norm in layer_shapes(width, layers)]
     shapes += [(n, k, gelu, False) for n, k, gelu, norm in shapes if norm]
-    compile_candidates(shapes, sizes, torch.float16, torch.device("cuda"), CONFIGS)
+    compile_candidates(shapes, sizes, torch.float16, torch.device("cuda"), configs=CONFIGS)
     for width in widths:
         for m in sizes:
             sweep(width, m, layers)

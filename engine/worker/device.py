@@ -37,8 +37,8 @@ def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig
             dtype: torch.dtype, device: torch.device, cache: StartupCache
             ) -> tuple[Ops, str | None]:
     """The Triton backend's ops (imported lazily: CPU runs need no Triton), linears routed
-    by this GPU's skinny-GEMM table at the graphs' row counts; and the table's source
-    ("cached", "measured"; None: no table)."""
+    by this GPU's linear table (skinny GEMM, GEMV) at the graphs' row counts, for the weights
+    as quantized; and the table's source ("cached", "measured"; None: no table)."""
     if backend != "triton":
         return TORCH_OPS, None
     from engine.worker.triton_ops import measured_triton_ops, triton_ops
@@ -46,4 +46,4 @@ def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig
     if config.model.enforce_eager:
         return triton_ops(), None
     return measured_triton_ops(linear_shapes, GraphPlan.of(config).linear_row_counts(), dtype,
-                               device, cache)
+                               device, cache, config.model.quantization)

@@ -11,7 +11,8 @@ from engine.worker.layers import LinearShape, Ops
 from engine.worker.startup import StartupCache, device_key, source_hash
 from kernels.layernorm import add_layer_norm, layer_norm
 from kernels.logprobs import token_logprobs
-from kernels.linear import LinearDispatch, SkinnyWins, measure_skinny_wins
+from kernels.gemv import GemvConfig
+from kernels.linear import GEMV_CANDIDATES, LinearDispatch, LinearWins, measure_linear_wins
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from kernels.sampling import masked_row_sample, row_sample
 from kernels.skinny_gemm import TILE_CANDIDATES, TileConfig
@@ -19,30 +20,38 @@ from kernels.skinny_gemm import TILE_CANDIDATES, TileConfig
 log = logging.getLogger(__name__)
 
 
-def triton_ops(skinny_wins: SkinnyWins | None = None) -> Ops:
-    """Fused Triton ops; linears take the skinny GEMM, in its tile config, where skinny_wins
-    says (None: cuBLAS for every linear)."""
-    linear = LinearDispatch(skinny_wins)
+def triton_ops(linear_wins: LinearWins | None = None) -> Ops:
+    """Fused Triton ops; linears take the skinny GEMM or the GEMV, in its config, where
+    linear_wins says (None: cuBLAS for every 16-bit linear, quant_linear for every 8-bit one)."""
+    linear = LinearDispatch(linear_wins)
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                add_norm_linear=linear.add_norm_linear, sample=row_sample,
                masked_sample=masked_row_sample, token_logprobs=token_logprobs)
 
 
 def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],
-                        dtype: torch.dtype, device: torch.device, cache: StartupCache
-                        ) -> tuple[Ops, str]:
-    """triton_ops with the skinny GEMM wherever it beats cuBLAS on this GPU for `shapes` at
-    the graphs' `batch_sizes`; and "cached" (table from `cache`) or "measured"."""
-    key = {**device_key(device), "dtype": str(dtype), "shapes": [list(s) for s in shapes],
-           "batch_sizes": list(batch_sizes), "tile_candidates": [list(c) for c in TILE_CANDIDATES],
+                        dtype: torch.dtype, device: torch.device, cache: StartupCache,
+                        quantization: str | None = None) -> tuple[Ops, str]:
+    """triton_ops with the skinny GEMM or the GEMV wherever one beats the default path on this
+    GPU for `shapes` (8-bit weights with `quantization`) at the graphs' `batch_sizes`; and
+    "cached" (table from `cache`) or "measured"."""
+    key = {**device_key(device), "dtype": str(dtype), "quantization": quantization,
+           "shapes": [list(s) for s in shapes], "batch_sizes": list(batch_sizes),
+           "tile_candidates": [list(c) for c in TILE_CANDIDATES],
+           "gemv_candidates": [list(c) for c in GEMV_CANDIDATES],
            "kernels_source": source_hash("kernels")}
     wins, cached = cache.get_or_measure(
-        "skinny-table", key, lambda: measure_skinny_wins(shapes, batch_sizes, dtype, device),
-        encode=lambda table: [[*shape, list(config)] for shape, config in table.items()],
-        decode=lambda rows: {tuple(row[:5]): TileConfig(*row[5]) for row in rows})
-    log.info("skinny GEMM %s faster than cuBLAS for %d of the decode shapes",
-             "(cached table) is" if cached else "measured", len(wins))
+        "linear-table", key,
+        lambda: measure_linear_wins(shapes, batch_sizes, dtype, device, quantization),
+        encode=lambda table: [[*shape, type(config).__name__, list(config)]
+                              for shape, config in table.items()],
+        decode=lambda rows: {tuple(row[:5]): CONFIG_TYPES[row[5]](*row[6]) for row in rows})
+    log.info("fused linear kernels %s faster than the default path for %d of the decode "
+             "shapes", "(cached table) are" if cached else "measured", len(wins))
     return triton_ops(wins), "cached" if cached else "measured"
+
+
+CONFIG_TYPES = {config_type.__name__: config_type for config_type in (TileConfig, GemvConfig)}
 
 
 class TritonAttention:

@@ -113,8 +113,8 @@ def test_quant_small_tiles_split_k(method, config):
 @pytest.mark.parametrize("m", [1, 130])
 def test_dispatch_serves_a_quantized_weight_like_the_engine_reference(method, m):
     """The engine's QuantizedWeight through LinearDispatch (the Triton backend's linears)
-    against engine.worker.layers' reference, which dequantizes; a measured skinny table
-    does not apply to it."""
+    against engine.worker.layers' reference, which dequantizes; a skinny tile config in
+    the table does not apply to it."""
     k, n = 208, 96
     x, residual = (torch.randn(m, k, device=DEVICE) for _ in range(2))
     ln_w, ln_b, bias = (torch.randn(d, device=DEVICE) for d in (k, k, n))

@@ -90,21 +90,26 @@ SHAPES = GPT2Config(50257, 1024, 64, 2, 4, 256, 1e-5).linear_shapes
 
 def test_the_dispatcher_takes_the_cached_table_without_timing(tmp_path: Path, monkeypatch):
     import engine.worker.triton_ops as backend
+    from kernels.gemv import GemvConfig
     from kernels.skinny_gemm import TileConfig
 
     table = {(192, 64, 1, False, True): TileConfig(32, 64, 2, 4, 1),
+             (64, 256, 1, False, False): GemvConfig(8, 256, 4, 1, True, 2),
              (64, 256, 8, False, False): TileConfig(16, 256, 4, 4, 2)}
     measure = Measure(table)
-    monkeypatch.setattr(backend, "measure_skinny_wins", lambda *args: measure())
+    monkeypatch.setattr(backend, "measure_linear_wins", lambda *args: measure())
     cache, cpu = StartupCache(tmp_path), torch.device("cpu")
     ops, source = backend.measured_triton_ops(SHAPES, [1, 8], torch.float16, cpu, cache)
-    assert (source, measure.runs, ops.linear.skinny_wins) == ("measured", 1, table)
+    assert (source, measure.runs, ops.linear.wins) == ("measured", 1, table)
     ops, source = backend.measured_triton_ops(SHAPES, [1, 8], torch.float16, cpu, cache)
-    assert (source, measure.runs, ops.linear.skinny_wins) == ("cached", 1, table)
-    assert all(type(config) is TileConfig for config in ops.linear.skinny_wins.values())
+    assert (source, measure.runs, ops.linear.wins) == ("cached", 1, table)
+    assert [type(config) for config in ops.linear.wins.values()] == [
+        type(config) for config in table.values()]
     for changed in ((SHAPES[:2], [1, 8], torch.float16), (SHAPES, [1, 2, 8], torch.float16),
                     (SHAPES, [1, 8], torch.float32)):
         assert backend.measured_triton_ops(*changed, cpu, cache)[1] == "measured"
+    assert backend.measured_triton_ops(SHAPES, [1, 8], torch.float16, cpu, cache,
+                                       "int8")[1] == "measured"
     monkeypatch.setattr(backend, "TILE_CANDIDATES", (TileConfig(),))
     assert backend.measured_triton_ops(SHAPES, [1, 8], torch.float16, cpu, cache)[1] == "measured"
 
