@@ -32,6 +32,9 @@
 #                     three), QUANT_ARGS
 #   quant-sweep       scripts/sweep_skinny.py --quantization Q for Q in SWEEP_QUANT (default
 #                     int8) at SWEEP_WIDTHS (default 1600) and SWEEP_M (default 1,4) (log only)
+#   gemv-sweep        scripts/sweep_skinny.py --gemv for the weights in GEMV_WEIGHTS (default fp16
+#                     int8 fp8) at SWEEP_WIDTHS (default 768,1024,1280,1600) and SWEEP_M
+#                     (default 1); every time in gemv-sweep/gemv_<weights>.json
 #   quant_tests       the 8-bit weight tests on CUDA: the kernel natively and in a CUDA graph,
 #                     the engine's kernels and graphs against the reference ops (log only)
 #   before            BEFORE_STAGES (default: latency offline) from the tree in .before/
@@ -74,6 +77,8 @@ for stage in "$@"; do
         quant) for q in ${QUANT_METHODS:-fp16 int8 fp8}; do flag=; [ "$q" = fp16 ] || flag="--quantization $q"
                    python3 scripts/bench_latency.py --models "${QUANT_MODELS:-gpt2-xl,gpt2-large}" $flag --out "$dir/$q" ${QUANT_ARGS:-}; done 2>&1 | tee "$log" | grep -v "it/s" ;;
         quant-sweep) for q in ${SWEEP_QUANT:-int8}; do python3 scripts/sweep_skinny.py --quantization "$q" --widths "${SWEEP_WIDTHS:-1600}" --m "${SWEEP_M:-1,4}"; done 2>&1 | tee "$log" ;;
+        gemv-sweep) mkdir -p "$dir"; for w in ${GEMV_WEIGHTS:-fp16 int8 fp8}; do flag=; [ "$w" = fp16 ] || flag="--quantization $w"
+                   python3 scripts/sweep_skinny.py --gemv $flag --widths "${SWEEP_WIDTHS:-768,1024,1280,1600}" --m "${SWEEP_M:-1}" --json "$dir/gemv_$w.json"; done 2>&1 | tee "$log" ;;
         quant_tests) python3 -m pytest tests/kernels/test_quant_linear_kernel.py tests/worker/test_quantization.py -q -s 2>&1 | tee "$log" | tail -30 ;;
         before) for d in .anchor .whl checkpoints; do ln -sfn "../$d" ".before/$d"; done
                 OUT=$dir bash .before/scripts/gpu_bench.sh ${BEFORE_STAGES:-latency offline} ;;

@@ -7,25 +7,34 @@ the norm fused in it also times the add + LayerNorm kernel followed by the plain
     python scripts/sweep_skinny.py --widths 768,1600 --m 1,4
     python scripts/sweep_skinny.py --widths 1600 --m 4,8,16 --layers qkv,fc
     python scripts/sweep_skinny.py --widths 1600 --m 1,4 --quantization int8
+    python scripts/sweep_skinny.py --gemv --widths 768,1024,1280,1600 --m 1 [--quantization int8]
 
 With --quantization, the 8-bit kernel (kernels/quant_linear.py) instead: its default tile
 (tile_shape) and each config, against the 16-bit layer's best (cuBLAS or a startup-table
 skinny config); GB/s counts the 8-bit weight bytes.
+
+With --gemv, the GEMV (kernels/gemv.py, M <= 2) over GEMV_CONFIGS against the default path
+(cuBLAS, or quant_linear for 8-bit weights) and the startup table's GEMV candidates (--json
+writes every time); its winners become kernels.linear.GEMV_CANDIDATES.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
 from engine.worker.quantization import quantize_weight
-from kernels.linear import LinearDispatch, compile_candidates, graph_ms, layer_call
+from kernels.gemv import GemvConfig
+from kernels.linear import (GEMV_CANDIDATES, LinearDispatch, compile_candidates, graph_ms,
+                            layer_call)
 from kernels.quant_linear import compile_quant_linear, quant_add_norm_linear, quant_linear
 from kernels.skinny_gemm import TILE_CANDIDATES, AddNorm, TileConfig
 
@@ -34,6 +43,10 @@ CONFIGS = tuple(TileConfig(*knobs) for knobs in itertools.product(
 LAYERS = ("qkv", "o", "fc", "proj")
 QUANT_CONFIGS = tuple(TileConfig(*knobs) for knobs in itertools.product(
     (16, 32, 64), (64, 128, 256), (2, 4, 8), (3,), (2,)))
+
+
+GEMV_CONFIGS = tuple(GemvConfig(*knobs) for knobs in itertools.product(
+    (8, 16, 32), (128, 256, 512), (4, 8), (1,), (False, True), (1, 2, 4)))  # BN, BK, ..., per SM
 
 
 def layer_shapes(width: int, layers: list[str]) -> list[tuple[str, int, int, bool, bool]]:
@@ -129,15 +142,56 @@ def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
               + ", ".join(f"{t * 1e3:.2f} {tuple(c)}" for t, c in times[1:6]), flush=True)
 
 
+def sweep_gemv(widths: list[int], m: int, layers: list[str], method: str | None) -> list[dict]:
+    """Per layer: ms of the default path, of each GEMV config and of the candidates' best."""
+    dtype, device = torch.float16, torch.device("cuda")
+    shapes = [(n, k, gelu, norm) for width in widths
+              for _, n, k, gelu, norm in layer_shapes(width, layers)]
+    compile_candidates(shapes, [m], dtype, device, method, configs=GEMV_CONFIGS)
+    rows = []
+    for n, k, gelu, norm in shapes:
+        weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5
+                   for _ in range(max(8, (200 << 20) // (n * k * (1 if method else 2))))]
+        if method:
+            weights = [quantize_weight(w, method) for w in weights]
+        bias = torch.randn(n, dtype=dtype, device=device)
+        x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
+        ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
+        key = (n, k, m, gelu, norm)
+        times = {config: _ms_if_fits(layer_call(LinearDispatch({key: config} if config else {}),
+                                                x, residual, ln_w, ln_b, bias, norm, gelu),
+                                     weights)
+                 for config in (None, *GEMV_CONFIGS)}
+        default = times.pop(None)
+        ranked = sorted((t, c) for c, t in times.items())
+        chosen = min(times[c] for c in GEMV_CANDIDATES)
+        print(f"{method or 'fp16'} N={n} K={k} M={m} norm={norm}: default {default * 1e3:.2f} us; "
+              f"GEMV candidates {chosen * 1e3:.2f} us; best {ranked[0][0] * 1e3:.2f} us "
+              f"({n * k * (1 if method else 2) / ranked[0][0] / 1e6:.0f} GB/s) "
+              f"{tuple(ranked[0][1])}; next "
+              + ", ".join(f"{t * 1e3:.2f} {tuple(c)}" for t, c in ranked[1:4]), flush=True)
+        rows.append({"weights": method or "fp16", "n": n, "k": k, "m": m, "norm": norm,
+                     "default_us": default * 1e3,
+                     "gemv_us": {str(tuple(c)): t * 1e3 for c, t in times.items()}})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default="768,1600")
     parser.add_argument("--m", default="1,4")
     parser.add_argument("--layers", default=",".join(LAYERS))
     parser.add_argument("--quantization", choices=("int8", "fp8"))
+    parser.add_argument("--gemv", action="store_true")
+    parser.add_argument("--json", help="with --gemv: write every time here")
     args = parser.parse_args()
     widths, sizes = ([int(v) for v in text.split(",")] for text in (args.widths, args.m))
     layers = args.layers.split(",")
+    if args.gemv:
+        rows = [row for m in sizes for row in sweep_gemv(widths, m, layers, args.quantization)]
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
     if args.quantization:
         for width, m in itertools.product(widths, sizes):
             sweep_quant(width, m, layers, args.quantization)

@@ -9,10 +9,10 @@ import torch
 from engine.worker.attention import AttentionMetadata
 from engine.worker.layers import LinearShape, Ops
 from engine.worker.startup import StartupCache, device_key, source_hash
-from kernels.layernorm import add_layer_norm, layer_norm
-from kernels.logprobs import token_logprobs
 from kernels.gemv import GemvConfig
+from kernels.layernorm import add_layer_norm, layer_norm
 from kernels.linear import GEMV_CANDIDATES, LinearDispatch, LinearWins, measure_linear_wins
+from kernels.logprobs import token_logprobs
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from kernels.sampling import masked_row_sample, row_sample
 from kernels.skinny_gemm import TILE_CANDIDATES, TileConfig
