@@ -26,7 +26,7 @@ def test_capture_sizes_cover_every_batch():
 
 def test_the_linear_table_covers_every_graphs_rows():
     """A one-stream verification runs in a small mixed graph, a draft chain's first
-    iteration at two rows a sequence: their linears must be in the skinny table even when
+    iteration at two rows a sequence: their linears must be in the linear table even when
     no decode graph has that many rows."""
     config = EngineConfig.from_flat(max_num_seqs=1, max_num_batched_tokens=64)
     assert MIN_MIXED_TOKENS == 4
