@@ -37,7 +37,7 @@ from engine.output.tokenizer import Tokenizer
 from server.engine_client import (EngineClient, CoreConnection, RequestFailed, server_error,
                                  shutting_down)
 from server.chat import ChatCompletionRequest, ChatService, TokenizeChatRequest
-from server.completions import CompletionService, off_loop_if_long
+from server.completions import SERVER_SEND, CompletionService, off_loop_if_long
 from server.metrics import ServerMetrics, ThroughputLog
 from server.protocol import (CompletionRequest, DetokenizeRequest, Limits, RequestError,
                              TokenizeRequest, check_tokens_in_vocab, parse_model,
@@ -110,9 +110,8 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
             await engine_client.stop(timeout=ENGINE_STOP_TIMEOUT)
 
     docs = settings.enable_docs
-    app = FastAPI(title="gpt2-serve", version=version(), lifespan=lifespan,
-                  openapi_url="/openapi.json" if docs else None,
-                  docs_url=None, redoc_url=None)
+    app = _App(title="gpt2-serve", version=version(), lifespan=lifespan,
+               openapi_url="/openapi.json" if docs else None, docs_url=None, redoc_url=None)
     app.state.engine_client, app.state.metrics = engine_client, metrics
     app.state.begin_shutdown = functools.partial(_begin_shutdown, engine_client,
                                                   settings.shutdown_timeout)
@@ -128,6 +127,15 @@ def create_app(core: CoreConnection, settings: ServerSettings) -> FastAPI:
     if settings.api_key:  # outside CORS: its 401s are plain, preflights pass through
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app
+
+
+class _App(FastAPI):
+    """FastAPI keeping the server's own `send` in each request's scope (SERVER_SEND), so that
+    an event stream's body skips the middlewares' wrappers (SSEResponse)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def _add_docs(app: FastAPI) -> None:

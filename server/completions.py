@@ -61,19 +61,34 @@ class ChunkFrame:
         return self.head + msgspec.json.encode(choice) + self.tail
 
 
+SERVER_SEND = "gpt2_serve.server_send"  # the scope key under which server/app.py keeps it
+
+
 class SSEResponse(StreamingResponse):
     """A generation's event stream. Unlike StreamingResponse it starts no task listening for
     the client's disconnect (with an anyio cancel scope, per request): the request's own
     watcher (`CompletionService.submit`) hears it and ends the body, and uvicorn drops
     whatever is sent to a closed connection. The body is sent from a task of its own, so
     each chunk's wakeup resumes that task's few coroutines rather than every middleware's
-    (cancelling the request's task cancels it too)."""
+    (cancelling the request's task cancels it too).
+
+    The response's start goes through the middlewares' `send` wrappers, which act on it
+    alone (they note that a response started; CORS adds its headers); its body messages go
+    to the server's own `send` where the app kept it (scope[SERVER_SEND]), past three
+    wrapper coroutines a chunk."""
 
     def __init__(self, body: AsyncIterator[bytes]) -> None:
         super().__init__(body, media_type="text/event-stream")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await asyncio.ensure_future(self.stream_response(send))
+        await asyncio.ensure_future(self._send_events(send, scope.get(SERVER_SEND, send)))
+
+    async def _send_events(self, send: Send, send_body: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await send_body({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send_body({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class CompletionService:

@@ -12,6 +12,7 @@ template is the event the whole chunk's encoding gives."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from typing import Any
 
@@ -21,6 +22,7 @@ from engine.core.messages import EngineStats, SequenceOutput, StepOutput
 from engine.output import detokenize
 from engine.output.tokenizer import Tokenizer
 from fakes import ScriptedCore
+from server.app import ServerSettings, create_app
 from server.chat import ChatCompletionChunk, ChatDelta, ChatService, ChatStreamChoice
 from server.completions import ChunkFrame, CompletionService, sse_event, stream_events
 from server.engine_client import EngineClient
@@ -169,3 +171,60 @@ def test_a_framed_chunk_is_the_event_of_the_whole_chunk(text, response_id):
         frame = ChunkFrame(ChatCompletionChunk(id=response_id, created=1, model="m",
                                                choices=[]))
         assert frame.event(choice) == sse_event(whole)
+
+
+class SendWatcher:
+    """A middleware that records the types of the messages sent through it."""
+
+    def __init__(self, app, seen: list[str]) -> None:
+        self.app, self.seen = app, seen
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watched(message) -> None:
+            self.seen.append(message["type"])
+            await send(message)
+
+        await self.app(scope, receive, watched)
+
+
+async def served_stream(seen: list[str]) -> list[dict]:
+    """One streamed completion through the whole ASGI app, with SendWatcher inside its
+    middleware stack and a CORS request's Origin; returns what the server's send received."""
+    core, received, body = ScriptedCore(), [], json.dumps(BODIES["completions"]).encode()
+    app = create_app(core, ServerSettings("gpt2"))
+    app.add_middleware(SendWatcher, seen=seen)
+    requests = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+    async def receive() -> dict[str, Any]:
+        return next(requests, None) or await asyncio.get_running_loop().create_future()
+
+    async def send(message) -> None:
+        received.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+             "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 1), "server": ("test", 80),
+             "headers": [(b"content-type", b"application/json"), (b"origin", b"http://a")]}
+    async with app.router.lifespan_context(app):
+        task = asyncio.create_task(app(scope, receive, send))
+        while not core.seq_ids:
+            await asyncio.sleep(0)
+        for index in range(STEPS):
+            core.deliver(step(core.seq_ids, index))
+            await asyncio.sleep(0)
+        await asyncio.wait_for(task, 5.0)
+    return received
+
+
+def test_a_streams_body_skips_the_middlewares_send_wrappers():
+    """The response's start passes every middleware (CORS adds its header on the way); each
+    body message goes straight to the server's send."""
+    seen: list[str] = []
+    received = asyncio.run(served_stream(seen))
+    assert seen == ["http.response.start"]
+    start, *bodies = received
+    assert (b"access-control-allow-origin", b"*") in start["headers"]
+    text = b"".join(message["body"] for message in bodies)
+    assert text.count(b"data: ") == STEPS + 2 and text.endswith(b"data: [DONE]\n\n")
+    assert bodies[-1]["more_body"] is False
