@@ -85,31 +85,34 @@ def _operands(weight) -> tuple[torch.Tensor, torch.Tensor | None]:
     return (weight, None) if isinstance(weight, torch.Tensor) else (weight.data, weight.scale)
 
 
-def candidates(m: int, quantization: str | None) -> tuple[LinearConfig, ...]:
-    """The configs the table times against the default path at M = m."""
-    skinny = TILE_CANDIDATES if quantization is None and m <= MAX_M else ()
+def candidates(m: int, weight_dtype: torch.dtype | None) -> tuple[LinearConfig, ...]:
+    """The configs the table times against the default path at M = m, for weights in
+    weight_dtype (None: the activations')."""
+    skinny = TILE_CANDIDATES if weight_dtype is None and m <= MAX_M else ()
     return skinny + (GEMV_CANDIDATES if m <= gemv.MAX_M else ())
 
 
 def measure_linear_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],
                         dtype: torch.dtype, device: torch.device,
-                        quantization: str | None = None) -> dict[ShapeKey, LinearConfig]:
+                        weight_dtype: torch.dtype | None = None
+                        ) -> dict[ShapeKey, LinearConfig]:
     """For each (N, K, gelu, norm) and M among batch_sizes, time each candidate config against
-    the default path inside CUDA graphs (as a captured decode step), weights (8-bit with
-    `quantization`) rotated so they stream from memory as in a real step."""
-    compile_candidates(shapes, batch_sizes, dtype, device, quantization)
-    itemsize = 1 if quantization else dtype.itemsize
+    the default path inside CUDA graphs (as a captured decode step), weights (in weight_dtype:
+    8-bit with their scales; None: dtype) rotated so they stream from memory as in a real
+    step."""
+    compile_candidates(shapes, batch_sizes, dtype, device, weight_dtype)
+    itemsize = (weight_dtype or dtype).itemsize
     wins = {}
     for n, k, gelu, norm in shapes:
-        weights = [_timing_weight(n, k, dtype, device, quantization)
+        weights = [_timing_weight(n, k, dtype, device, weight_dtype)
                    for _ in range(max(2, (256 << 20) // (n * k * itemsize)))][:16]
         bias = torch.randn(n, dtype=dtype, device=device)
         ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
-        for m in (m for m in batch_sizes if candidates(m, quantization)):
+        for m in (m for m in batch_sizes if candidates(m, weight_dtype)):
             x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
             key = (n, k, m, gelu, norm)
             paths = {None: LinearDispatch(),
-                     **{c: LinearDispatch({key: c}) for c in candidates(m, quantization)}}
+                     **{c: LinearDispatch({key: c}) for c in candidates(m, weight_dtype)}}
             times = {config: _graph_ms_if_fits(layer_call(dispatch, x, residual, ln_w, ln_b,
                                                           bias, norm, gelu), weights)
                      for config, dispatch in paths.items()}
@@ -123,15 +126,15 @@ def measure_linear_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: 
 
 
 def _timing_weight(n: int, k: int, dtype: torch.dtype, device: torch.device,
-                   quantization: str | None) -> torch.Tensor | Weight8:
-    if quantization:
-        return random_weight8(n, k, quantization, device)
+                   weight_dtype: torch.dtype | None) -> torch.Tensor | Weight8:
+    if weight_dtype is not None:
+        return random_weight8(n, k, weight_dtype, device)
     return torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5
 
 
 def compile_candidates(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],
                        dtype: torch.dtype, device: torch.device,
-                       quantization: str | None = None,
+                       weight_dtype: torch.dtype | None = None,
                        configs: tuple[LinearConfig, ...] | None = None) -> None:
     """Compile every variant measure_linear_wins times (or those of `configs` at every batch
     size), up front in a thread pool (Triton compiles mostly outside the GIL). Needs
@@ -147,12 +150,12 @@ def compile_candidates(shapes: list[tuple[int, int, bool, bool]], batch_sizes: l
     start, threads, count = time.perf_counter(), min(32, os.cpu_count() or 1), 0
     with ThreadPoolExecutor(threads) as pool, async_compile(pool, ignore_errors=True):
         for n, k, gelu, norm in shapes:
-            weight = _timing_weight(n, k, dtype, device, quantization)
+            weight = _timing_weight(n, k, dtype, device, weight_dtype)
             bias, ln_w, ln_b = (torch.empty(d, dtype=dtype, device=device) for d in (n, k, k))
             for m in batch_sizes:
                 x, residual = (torch.empty(m, k, dtype=dtype, device=device) for _ in range(2))
                 add_norm = AddNorm(residual, ln_w, ln_b, 1e-5) if norm else None
-                for config in configs or candidates(m, quantization):
+                for config in configs or candidates(m, weight_dtype):
                     count += 1
                     if isinstance(config, GemvConfig):
                         compile_gemv(x, *_operands(weight), bias, gelu, add_norm, config)

@@ -258,12 +258,9 @@ class Weight8(NamedTuple):
         return self.data.shape
 
 
-WEIGHT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-
-
-def random_weight8(n: int, k: int, method: str, device: torch.device) -> Weight8:
-    """A random [N, K] weight in `method`'s 8 bits, for timing (values do not change speed)."""
-    data = (torch.randn(n, k, device=device) * 32).clamp(-127, 127).to(WEIGHT_DTYPES[method])
+def random_weight8(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Weight8:
+    """A random [N, K] weight in 8-bit `dtype`, for timing (values do not change speed)."""
+    data = (torch.randn(n, k, device=device) * 32).clamp(-127, 127).to(dtype)
     return Weight8(data, torch.full((n,), k ** -0.5 / 32, device=device))
 
 

@@ -31,7 +31,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from engine.worker.quantization import quantize_weight
+from engine.worker.quantization import STORAGE, quantize_weight
 from kernels.gemv import GemvConfig
 from kernels.linear import (GEMV_CANDIDATES, LinearDispatch, compile_candidates, graph_ms,
                             layer_call)
@@ -147,7 +147,8 @@ def sweep_gemv(widths: list[int], m: int, layers: list[str], method: str | None)
     dtype, device = torch.float16, torch.device("cuda")
     shapes = [(n, k, gelu, norm) for width in widths
               for _, n, k, gelu, norm in layer_shapes(width, layers)]
-    compile_candidates(shapes, [m], dtype, device, method, configs=GEMV_CONFIGS)
+    compile_candidates(shapes, [m], dtype, device, STORAGE[method] if method else None,
+                       configs=GEMV_CONFIGS)
     rows = []
     for n, k, gelu, norm in shapes:
         weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5

@@ -8,6 +8,7 @@ import torch
 
 from engine.worker.attention import AttentionMetadata
 from engine.worker.layers import LinearShape, Ops
+from engine.worker.quantization import STORAGE
 from engine.worker.startup import StartupCache, device_key, source_hash
 from kernels.gemv import GemvConfig
 from kernels.layernorm import add_layer_norm, layer_norm
@@ -42,7 +43,8 @@ def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],
            "kernels_source": source_hash("kernels")}
     wins, cached = cache.get_or_measure(
         "linear-table", key,
-        lambda: measure_linear_wins(shapes, batch_sizes, dtype, device, quantization),
+        lambda: measure_linear_wins(shapes, batch_sizes, dtype, device,
+                                    STORAGE[quantization] if quantization else None),
         encode=lambda table: [[*shape, type(config).__name__, list(config)]
                               for shape, config in table.items()],
         decode=lambda rows: {tuple(row[:5]): CONFIG_TYPES[row[5]](*row[6]) for row in rows})
