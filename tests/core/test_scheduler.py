@@ -11,7 +11,8 @@ from engine.core.batch import RunnerOutput
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
 from engine.core.request import EOS_TOKEN_ID, Request, RequestStatus, SamplingParams
-from engine.core.scheduler import PriorityWaitingQueue, Scheduler, check_fits
+from engine.core.scheduler import Scheduler, check_fits
+from engine.core.waiting import PriorityWaitingQueue
 from fakes import FakeRunner, reference_output
 
 
