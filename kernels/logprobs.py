@@ -29,6 +29,21 @@ NO_INDEX = tl.constexpr(2 ** 31 - 1)  # above any index: loses every min
 
 
 @triton.jit
+def _sanitized(x, largest):
+    """The reference's sanitize: NaN counts as -inf, +inf as the dtype's largest value."""
+    x = tl.where(x != x, -float("inf"), x)
+    return tl.where(x == float("inf"), largest, x)
+
+
+@triton.jit
+def _take_best(values, indices, left):
+    """The largest of `values` where `left`, and its lowest index; `left` without it."""
+    best = tl.max(tl.where(left, values, -float("inf")), axis=0)
+    index = tl.min(tl.where(left & (values == best), indices, NO_INDEX), axis=0)
+    return best, index, left & (indices != index)
+
+
+@triton.jit
 def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, max_ptr, sum_ptr, top_value_ptr,
                      top_index_ptr, token_out_ptr, value_out_ptr, index_out_ptr, counter_ptr,
                      V, stride_row, k, largest, log_v, HAS_ROWS: tl.constexpr,
@@ -45,9 +60,8 @@ def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, max_ptr, sum_ptr, top_value_pt
         row = r.to(tl.int64)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < V
-    x = tl.load(x_ptr + row * stride_row + offs, mask=valid, other=-float("inf")).to(tl.float32)
-    x = tl.where(x != x, -float("inf"), x)
-    x = tl.where(x == float("inf"), largest, x)
+    x = _sanitized(tl.load(x_ptr + row * stride_row + offs, mask=valid,
+                           other=-float("inf")).to(tl.float32), largest)
     peak = tl.max(x, axis=0)
     # a chunk with nothing finite sums to 0 (exp(-inf - -inf) is NaN, never selected)
     total = tl.sum(tl.where(x > -float("inf"), tl.exp(x - peak), 0.0), axis=0)
@@ -56,9 +70,7 @@ def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, max_ptr, sum_ptr, top_value_pt
     tl.store(sum_ptr + part, total)
     alive = valid
     for i in range(0, k):
-        best = tl.max(tl.where(alive, x, -float("inf")), axis=0)
-        index = tl.min(tl.where(alive & (x == best), offs, NO_INDEX), axis=0)
-        alive = alive & (offs != index)
+        best, index, alive = _take_best(x, offs, alive)
         tl.store(top_value_ptr + part * MAX_TOP + i, best)
         tl.store(top_index_ptr + part * MAX_TOP + i, index)
     if arrive_last(counter_ptr + r, num_chunks):
@@ -73,9 +85,8 @@ def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, max_ptr, sum_ptr, top_value_pt
                        axis=0)
         dead = peak == -float("inf")  # nothing finite: uniform
         log_total = tl.log(total)  # apart from peak: a peak near the dtype's max absorbs it
-        token_logit = tl.load(x_ptr + row * stride_row + tl.load(tokens_ptr + row)).to(tl.float32)
-        token_logit = tl.where(token_logit != token_logit, -float("inf"), token_logit)
-        token_logit = tl.where(token_logit == float("inf"), largest, token_logit)
+        token_logit = _sanitized(tl.load(x_ptr + row * stride_row
+                                         + tl.load(tokens_ptr + row)).to(tl.float32), largest)
         tl.store(token_out_ptr + r, tl.where(dead, -log_v, token_logit - peak - log_total))
         candidates = tl.arange(0, CANDIDATES_POW2)
         taken = (candidates // MAX_TOP < num_chunks) & (candidates % MAX_TOP < k)
@@ -86,9 +97,7 @@ def _logprobs_kernel(x_ptr, rows_ptr, tokens_ptr, max_ptr, sum_ptr, top_value_pt
                           cache_modifier=".cg")
         left = taken & (indices != NO_INDEX)
         for i in range(0, k):
-            best = tl.max(tl.where(left, values, -float("inf")), axis=0)
-            index = tl.min(tl.where(left & (values == best), indices, NO_INDEX), axis=0)
-            left = left & (indices != index)
+            best, index, left = _take_best(values, indices, left)
             tl.store(value_out_ptr + r * k + i, tl.where(dead, -log_v, best - peak - log_total))
             tl.store(index_out_ptr + r * k + i, index)
         reset_counter(counter_ptr + r)
