@@ -10,8 +10,17 @@ gauges current. Pure Python: no sockets here.
 """
 from __future__ import annotations
 
-from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, FromCore,
-                                  SequenceFailed, SequenceOutput, StepOutput, ToCore)
+from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
+                                  FromCore, NewTokens, SequenceFailed, SequenceOutput, StepOutput,
+                                  ToCore)
+
+
+def _reported_ids(sequence: CoreRequest) -> list[str]:
+    """The sequence ids the core reports a CoreRequest's outputs under: its own, or for a
+    beam search ('<id>#0') its results '<id>#<rank>', one per beam (engine/core/beam.py)."""
+    if sequence.beam is None:
+        return [sequence.seq_id]
+    return [f"{sequence.seq_id[:-1]}{rank}" for rank in range(sequence.beam.beam_width)]
 
 
 class ClientRouter:
@@ -28,7 +37,8 @@ class ClientRouter:
                 raise ValueError(f"AddSequences from client {message.client}; the core "
                                  f"serves {self.num_clients}")
             for sequence in message.sequences:
-                self._client_of[sequence.seq_id] = message.client
+                for seq_id in _reported_ids(sequence):
+                    self._client_of[seq_id] = message.client
         elif isinstance(message, AbortSequences):
             for seq_id in message.seq_ids:
                 self._client_of.pop(seq_id, None)
@@ -46,4 +56,13 @@ class ClientRouter:
             client = (self._client_of.pop(output.seq_id, 0) if output.finish_reason is not None
                       else self._client_of.get(output.seq_id, 0))
             outputs[client].append(output)
-        return [(client, StepOutput(own, message.stats)) for client, own in enumerate(outputs)]
+        new_tokens = [NewTokens([], [], []) for _ in range(self.num_clients)]
+        if message.new_tokens is not None:  # never a sequence's last output
+            new = message.new_tokens
+            for row in zip(new.seq_ids, new.token_ids, new.token_times):
+                own = new_tokens[self._client_of.get(row[0], 0)]
+                own.seq_ids.append(row[0])
+                own.token_ids.append(row[1])
+                own.token_times.append(row[2])
+        return [(client, StepOutput(own, message.stats, new if new.seq_ids else None))
+                for client, (own, new) in enumerate(zip(outputs, new_tokens))]
