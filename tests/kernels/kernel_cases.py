@@ -26,6 +26,22 @@ def tol(dtype: torch.dtype) -> dict:
     return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
 
 
+def replayed_on_new_inputs(call, inputs: list[torch.Tensor]):
+    """call() run once eagerly, captured in a CUDA graph, then replayed after each of `inputs`
+    is refilled in place with fresh random values; returns what the captured call returned
+    (its outputs as of the replay)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = call()
+    for tensor in inputs:
+        tensor.copy_(torch.randn_like(tensor))
+    graph.replay()
+    torch.cuda.synchronize()
+    return outputs
+
+
 def context_lengths(n: int, block_size: int) -> list[int]:
     """Edge lengths first (full 1024, one token, block boundaries), then random odd ones."""
     edges = [1024, 1, block_size, block_size + 1, 1023, 2 * block_size - 1]

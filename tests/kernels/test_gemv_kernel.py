@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.worker.quantization import quantize_weight
-from kernel_cases import DEVICE, DTYPES, INTERPRET, tol
+from kernel_cases import DEVICE, DTYPES, INTERPRET, replayed_on_new_inputs, tol
 from kernels.gemv import GemvConfig, gemv_add_norm_linear, gemv_linear
 from kernels.quant_linear import quant_add_norm_linear_reference, quant_linear_reference
 from kernels.skinny_gemm import (AddNorm, skinny_add_norm_linear_reference,
@@ -111,15 +111,7 @@ def test_gemv_replays_in_a_cuda_graph(method):
         hidden, summed = gemv_add_norm_linear(x, norm, *fc, fc_bias, True)
         return gemv_linear(hidden, *proj, proj_bias), summed
 
-    layer()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, summed = layer()
-    x.copy_(torch.randn_like(x))
-    residual.copy_(torch.randn_like(residual))
-    graph.replay()
-    torch.cuda.synchronize()
+    out, summed = replayed_on_new_inputs(layer, [x, residual])
     hidden, expected_sum = _reference(x, *fc, fc_bias, True, norm)
     expected = _reference(hidden, *proj, proj_bias, False)[0]
     assert torch.equal(summed, expected_sum)

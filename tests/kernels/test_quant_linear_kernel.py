@@ -6,7 +6,7 @@ import torch
 from engine.worker.layers import add_norm_linear as add_norm_linear_reference
 from engine.worker.layers import linear as linear_reference
 from engine.worker.quantization import quantize_weight
-from kernel_cases import DEVICE, DTYPES, INTERPRET, tol
+from kernel_cases import DEVICE, DTYPES, INTERPRET, replayed_on_new_inputs, tol
 from kernels.quant_linear import (MAX_TILE_M, quant_add_norm_linear,
                                   quant_add_norm_linear_reference, quant_linear,
                                   quant_linear_reference)
@@ -147,15 +147,7 @@ def test_quant_linears_replay_in_a_cuda_graph(method, m):
         hidden, summed = quant_add_norm_linear(x, norm, fc.data, fc.scale, fc_bias, True)
         return quant_linear(hidden, proj.data, proj.scale, proj_bias), summed
 
-    layer()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, summed = layer()
-    x.copy_(torch.randn_like(x))
-    residual.copy_(torch.randn_like(residual))
-    graph.replay()
-    torch.cuda.synchronize()
+    out, summed = replayed_on_new_inputs(layer, [x, residual])
     hidden, expected_sum = quant_add_norm_linear_reference(x, norm, fc.data, fc.scale, fc_bias,
                                                            True)
     expected = quant_linear_reference(hidden, proj.data, proj.scale, proj_bias)
