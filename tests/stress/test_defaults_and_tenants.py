@@ -72,31 +72,40 @@ def raw_post(port: int, path: str, body: bytes) -> None:
             pass
 
 
-def health_latency(port: int) -> float:
-    start = time.perf_counter()
+def health_probe(port: int) -> None:
     raw = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(raw)
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
+
+
+def timed(work, *args) -> float:
+    start = time.perf_counter()
+    work(*args)
     return time.perf_counter() - start
 
 
 def test_health_stays_fast_while_50_maximal_prompts_are_tokenized(server):
+    """Tokenizing on the event loop would hold each probe for about a whole tokenization (the
+    loop busy with one prompt after another); off the loop a probe waits far less. The bar is
+    relative to one maximal request timed alone here, so a loaded CI machine moves both."""
     words = b"lorem ipsum dolor sit amet, consectetur adipiscing elit "
     text = (words * (BODY_CAP // len(words)))[:BODY_CAP - 64]
     body = b'{"prompt": "' + text + b'"}'
+    alone = statistics.median(timed(raw_post, server.port, "/tokenize", body) for _ in range(3))
     load = [threading.Thread(target=raw_post, args=(server.port, "/tokenize", body))
             for _ in range(50)]
     for thread in load:
         thread.start()
     latencies = []
     while any(thread.is_alive() for thread in load):
-        latencies.append(health_latency(server.port))
+        latencies.append(timed(health_probe, server.port))
         time.sleep(0.02)
     for thread in load:
         thread.join()
     assert len(latencies) >= 10  # the probes ran while the prompts were being tokenized
-    assert statistics.median(latencies) < 0.05, sorted(latencies)[-5:]
+    bar = max(0.05, alone / 2)
+    assert statistics.median(latencies) < bar, (alone, sorted(latencies)[-5:])
 
 
 def test_a_cache_salt_keeps_tenants_off_each_others_cached_prefix(server):
