@@ -11,7 +11,8 @@ gauges current. Pure Python: no sockets here.
 from __future__ import annotations
 
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
-                                  FromCore, SequenceFailed, SequenceOutput, StepOutput, ToCore)
+                                  FromCore, NewTokens, SequenceFailed, SequenceOutput, StepOutput,
+                                  ToCore)
 
 
 def _reported_ids(sequence: CoreRequest) -> list[str]:
@@ -55,4 +56,13 @@ class ClientRouter:
             client = (self._client_of.pop(output.seq_id, 0) if output.finish_reason is not None
                       else self._client_of.get(output.seq_id, 0))
             outputs[client].append(output)
-        return [(client, StepOutput(own, message.stats)) for client, own in enumerate(outputs)]
+        new_tokens = [NewTokens([], [], []) for _ in range(self.num_clients)]
+        if message.new_tokens is not None:  # never a sequence's last output
+            new = message.new_tokens
+            for row in zip(new.seq_ids, new.token_ids, new.token_times):
+                own = new_tokens[self._client_of.get(row[0], 0)]
+                own.seq_ids.append(row[0])
+                own.token_ids.append(row[1])
+                own.token_times.append(row[2])
+        return [(client, StepOutput(own, message.stats, new if new.seq_ids else None))
+                for client, (own, new) in enumerate(zip(outputs, new_tokens))]

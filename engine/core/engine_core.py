@@ -28,8 +28,8 @@ from engine.core.beam import BeamGroup
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
-                                  EngineStats, FromCore, SequenceFailed, SequenceOutput,
-                                  Shutdown, StepOutput, ToCore)
+                                  EngineStats, FromCore, NewTokens, SequenceFailed,
+                                  SequenceOutput, Shutdown, StepOutput, ToCore)
 from engine.core.request import EOS_TOKEN_ID, Request, RequestStatus, StructuredOutputsParams
 from engine.core.scheduler import Scheduler, Speculator, check_fits
 
@@ -121,9 +121,9 @@ class EngineCore:
                 or bool(self._compiling))
 
     def step(self) -> StepOutput:
-        outputs = []
+        outputs, new_tokens = [], None
         if self._in_flight is not None and self._in_flight[0].apply_before_next:
-            outputs = self._apply(*self._in_flight)  # the next step starts where it ended
+            outputs, new_tokens = self._apply(*self._in_flight)  # the next step starts there
             self._in_flight = None
         if self._compiling:
             self._admit_compiled()
@@ -134,12 +134,12 @@ class EngineCore:
         if self.config.scheduler.async_scheduling:
             previous, self._in_flight = self._in_flight, launched
             if previous is not None:  # never a step applied above: that left nothing in flight
-                outputs = self._apply(*previous)
+                outputs, new_tokens = self._apply(*previous)
             self._request_mask(launched)
         elif launched is not None:
             self._request_mask(launched)
-            outputs = self._apply(*launched)
-        return StepOutput(outputs, self.stats(scheduled.num_tokens))
+            outputs, new_tokens = self._apply(*launched)
+        return StepOutput(outputs, self.stats(scheduled.num_tokens), new_tokens)
 
     def _admit_compiled(self) -> None:
         """Constrained sequences whose grammar is ready join the scheduler; a core with
@@ -179,10 +179,10 @@ class EngineCore:
             self._release_grammar(seq_id)
         pending.sample(mask)
 
-    def _apply(self, scheduled, pending) -> list[SequenceOutput]:
+    def _apply(self, scheduled, pending) -> tuple[list[SequenceOutput], NewTokens | None]:
         """Wait for a launched step, update the scheduler, and report what changed (and the
         sequences their grammar ended since the last step was applied, and the results of the
-        beam searches it ended)."""
+        beam searches it ended): the plain rows as NewTokens, the others as SequenceOutputs."""
         self._sample_masked(pending)
         result = pending.wait()
         changed = self.scheduler.update(scheduled, result)
@@ -193,14 +193,25 @@ class EngineCore:
             self._completed = []
         logprobs = dict(zip(result.request_ids, result.logprobs)) if any(result.logprobs) else {}
         prompt_logprobs = result.prompt_logprobs  # a changed request's are applied ones
-        outputs = [out for request in changed
-                   if (prompt_logprobs or request.status.is_finished
-                       or not request.params.defers_outputs)
-                   and (out := self._output_of(request, logprobs.get(request.request_id),
-                                               prompt_logprobs.get(request.request_id)))]
+        outputs, new = [], NewTokens([], [], [])
+        num_sent = self._num_sent
+        for request in changed:
+            seq_id, params = request.request_id, request.params
+            sent = num_sent.get(seq_id)
+            if (sent and sent + 1 == request.num_output_tokens and params.logprobs is None
+                    and not params.defers_outputs and not request.status.is_finished
+                    and seq_id not in prompt_logprobs):  # a plain row (NewTokens)
+                num_sent[seq_id] = sent + 1
+                new.seq_ids.append(seq_id)
+                new.token_ids.append(request.output_token_ids[-1])
+                new.token_times.append(request.token_times[-1])
+            elif ((prompt_logprobs or request.status.is_finished or not params.defers_outputs)
+                  and (out := self._output_of(request, logprobs.get(seq_id),
+                                              prompt_logprobs.get(seq_id)))):
+                outputs.append(out)
         if self.scheduler.finished_beam_searches:
             outputs += self._beam_search_results()
-        return outputs
+        return outputs, new if new.seq_ids else None
 
     def _beam_search_results(self) -> list[SequenceOutput]:
         """Each ended beam search's results, best first, as whole sequences (a final EOS

@@ -43,6 +43,15 @@ class SequenceOutput(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: PromptLogprobs | None = None  # of a prompt chunk (each position once)
 
 
+class NewTokens(msgspec.Struct, array_like=True, gc=False):
+    """One more token, with its time, for each of these sequences: the rows of a step with
+    nothing else to report (not their first token, not their last, no logprobs), sent as
+    three columns rather than a SequenceOutput each."""
+    seq_ids: list[str]
+    token_ids: list[int]
+    token_times: list[float]
+
+
 class SpecCounts(msgspec.Struct, array_like=True, gc=False):
     """Speculative decoding's cumulative counters (meaning: engine/speculative/stats.py)."""
     num_drafts: int
@@ -72,9 +81,11 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
 
 
 class StepOutput(msgspec.Struct, array_like=True, gc=False, tag=True):
-    """One engine step's results, and the engine's state after it."""
+    """One engine step's results, and the engine's state after it. A sequence appears at
+    most once: in `outputs` or in `new_tokens` (most of a decode step's rows)."""
     outputs: list[SequenceOutput]
     stats: EngineStats
+    new_tokens: NewTokens | None = None
 
 
 class CoreFailed(msgspec.Struct, array_like=True, tag=True):

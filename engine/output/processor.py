@@ -10,6 +10,7 @@ It runs beside the core (offline `LLM`) or in the API server's process, never in
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine.core.batch import PromptLogprobs, TokenLogprobs
@@ -177,54 +178,81 @@ class OutputProcessor:
         merged), and the sequences to abort in the core (stop string, or handling failed)."""
         changed: dict[str, _Group] = {}
         to_abort: list[str] = []
-        choice_of = self._choice_of
         for step in steps:
             for seq in step.outputs:
-                owner = choice_of.get(seq.seq_id)
-                if owner is None:
-                    continue  # aborted since its token was sampled
-                group, choice = owner
-                if choice.finish_reason is not None:
-                    continue  # a stop string ended it; the core's abort is on its way
-                try:
-                    if seq.prompt_logprobs is not None and choice.index == 0:
-                        group.prompt_logprobs.add(seq.prompt_logprobs)
-                    self._apply(choice, seq, to_abort)
-                except Exception as err:  # one request's failure must spare the others
-                    log.exception("request %s failed while handling its output",
-                                  group.request_id)
-                    to_abort += self._fail(group, f"{type(err).__name__}: {err}")
-                # a prompt chunk's logprobs alone make no output: they come with the first
-                # token; the group can only have finished with this choice
-                if group.error is not None or (
-                        choice.streams and (seq.new_token_ids or seq.finish_reason is not None)
-                ) or (choice.finish_reason is not None and group.finished):
-                    changed[group.request_id] = group
+                self._take(seq.seq_id, changed, to_abort, self._apply, seq)
+            new = step.new_tokens
+            if new is not None:
+                for seq_id, token, time in zip(new.seq_ids, new.token_ids, new.token_times):
+                    self._take(seq_id, changed, to_abort, self._apply_token, token, time)
         return [self._emit(group) for group in changed.values()], to_abort
 
-    def _apply(self, choice: _Choice, seq: SequenceOutput, to_abort: list[str]) -> None:
+    def _take(self, seq_id: str, changed: dict[str, _Group], to_abort: list[str],
+              apply: Callable[..., bool], *args) -> None:
+        """Apply one sequence's output (`apply(group, choice, *args, to_abort)`: whether it
+        gave the choice something to stream); its group joins `changed` if it has news."""
+        owner = self._choice_of.get(seq_id)
+        if owner is None:
+            return  # aborted since its token was sampled
+        group, choice = owner
+        if choice.finish_reason is not None:
+            return  # a stop string ended it; the core's abort is on its way
+        try:
+            news = apply(group, choice, *args, to_abort)
+        except Exception as err:  # one request's failure must spare the others
+            log.exception("request %s failed while handling its output", group.request_id)
+            to_abort += self._fail(group, f"{type(err).__name__}: {err}")
+            news = False
+        # the group can only have finished with this choice
+        if (group.error is not None or (choice.streams and news)
+                or (choice.finish_reason is not None and group.finished)):
+            changed[group.request_id] = group
+
+    def _apply_token(self, group: _Group, choice: _Choice, token: int, time: float,
+                     to_abort: list[str]) -> bool:
+        """A plain row (NewTokens): one token, neither the first nor the last."""
+        self._apply_tokens(choice, [token], [time], None, False)
+        self._end_by_stop_string(choice, False, to_abort)
+        return True
+
+    def _apply(self, group: _Group, choice: _Choice, seq: SequenceOutput,
+               to_abort: list[str]) -> bool:
+        """A SequenceOutput; a prompt chunk's logprobs alone are no news: they come with the
+        first token."""
+        if seq.prompt_logprobs is not None and choice.index == 0:
+            group.prompt_logprobs.add(seq.prompt_logprobs)
         metrics = choice.metrics
         metrics.first_scheduled_time = seq.first_scheduled_time
         metrics.num_cached_tokens = seq.num_cached_tokens
         ends = seq.finish_reason is not None
         if seq.new_token_ids:
-            self._apply_tokens(choice, seq, ends)
-        if choice.stream.stopped_by is not None:
-            # a stop string wins even when the same token also hit max_tokens (as in vLLM)
-            choice.finish_reason = RequestStatus.FINISHED_STOPPED.value
-            choice.stop_reason = choice.stream.stopped_by
-            metrics.finish_time = metrics.token_times[-1]
-            if not ends:
-                to_abort.append(choice.seq_id)
-        elif ends:
+            self._apply_tokens(choice, seq.new_token_ids, seq.new_token_times,
+                               seq.new_logprobs, ends)
+        if not self._end_by_stop_string(choice, ends, to_abort) and ends:
             choice.finish_reason, choice.stop_reason = seq.finish_reason, seq.stop_reason
             metrics.finish_time = seq.finish_time
+        return bool(seq.new_token_ids) or ends
 
     @staticmethod
-    def _apply_tokens(choice: _Choice, seq: SequenceOutput, ends: bool) -> None:
+    def _end_by_stop_string(choice: _Choice, ends: bool, to_abort: list[str]) -> bool:
+        """End the choice if its text now holds a stop string (the core is told to abort it
+        unless the step ended it anyway); True if it did."""
+        if choice.stream.stopped_by is None:
+            return False
+        # a stop string wins even when the same token also hit max_tokens (as in vLLM)
+        choice.finish_reason = RequestStatus.FINISHED_STOPPED.value
+        choice.stop_reason = choice.stream.stopped_by
+        choice.metrics.finish_time = choice.metrics.token_times[-1]
+        if not ends:
+            to_abort.append(choice.seq_id)
+        return True
+
+    @staticmethod
+    def _apply_tokens(choice: _Choice, tokens: list[int], times: list[float],
+                      logprobs: list | None, ends: bool) -> None:
         """The step's tokens, up to the one that completes a stop string if one does (the
         rest never happened); a token without logprobs adds none."""
-        tokens, stream, metrics = seq.new_token_ids, choice.stream, choice.metrics
+        stream, metrics = choice.stream, choice.metrics
         last = len(tokens) - 1
         for i, token in enumerate(tokens):
             choice.delta_text += stream.add(token, ends and i == last)
@@ -233,11 +261,11 @@ class OutputProcessor:
                 break
         choice.delta_token_ids += tokens
         choice.token_ids += tokens
-        metrics.token_times += seq.new_token_times[:len(tokens)]
+        metrics.token_times += times[:len(tokens)]
         if metrics.first_token_time is None:
             metrics.first_token_time = metrics.token_times[0]
-        if choice.logprobs is not None and seq.new_logprobs is not None:
-            entries = [lp for lp in seq.new_logprobs[:len(tokens)] if lp is not None]
+        if choice.logprobs is not None and logprobs is not None:
+            entries = [lp for lp in logprobs[:len(tokens)] if lp is not None]
             if entries:
                 choice.logprobs += entries
                 choice.delta_logprobs = (choice.delta_logprobs or []) + entries

@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from engine.core.config import EngineConfig
-from engine.core.messages import AddSequences, EngineStats, SequenceOutput, StepOutput, ToCore
+from engine.core.messages import (AddSequences, EngineStats, NewTokens, SequenceOutput,
+                                  StepOutput, ToCore)
 from engine.core.request import SamplingParams
 from engine.llm import LLMEngine
 from engine.output.processor import OutputProcessor
@@ -103,3 +104,49 @@ def test_the_cache_salt_reaches_the_prefix_cache(tokenizer):
             for out in engine.step():
                 cached[rid] = out.metrics[0].num_cached_tokens
     assert cached == {"first": 0, "other": 0, "none": 0, "same": 8}
+
+
+@pytest.mark.parametrize("stop", [(), (" brown",)])
+def test_new_tokens_columns_give_what_sequence_outputs_give(tokenizer, stop):
+    """The same tokens sent as NewTokens rows (after a first SequenceOutput) and as one
+    SequenceOutput each: the same outputs, and a stop string completed in a row ends the
+    choice and asks the core to abort it."""
+    def outputs(as_columns: bool):
+        processor = OutputProcessor(tokenizer)
+        processor.add("r", None, [1, 2], SamplingParams(max_tokens=9, stop=stop), 0.0)
+        results = [processor.process(step("r#0", [464], 1.0))]
+        for time, token in ((2.0, 2068), (3.0, 7586), (4.0, 21831)):
+            if as_columns:
+                message = StepOutput([], STATS, NewTokens(["r#0"], [token], [time]))
+            else:
+                message = step("r#0", [token], time)
+            results.append(processor.process(message))
+        return results
+
+    columns, rows = outputs(True), outputs(False)
+    assert columns == rows
+    final, to_abort = columns[-2] if stop else columns[-1]
+    assert final[0].outputs[0].text == ("The quick" if stop else "The quick brown fox")
+    assert to_abort == (["r#0"] if stop else [])
+
+
+def test_a_steady_decode_step_reports_its_rows_as_new_tokens(tokenizer):
+    """Delta outputs through the core: first and last tokens as SequenceOutputs, the ones
+    between as NewTokens rows, and the text is whole."""
+    engine = LLMEngine(EngineConfig.from_flat(max_num_seqs=4, num_kv_blocks=64, block_size=16),
+                       runner=PipelinedFakeRunner(64, 16))
+    steps = []
+    real_step = engine.core.step
+    engine.core.step = lambda: steps.append(real_step()) or steps[-1]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, output_kind="final_only")
+    engine.add_request("a", [464, 2068], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request("b", [464, 2068], params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    rows = [seq_id for s in steps if s.new_tokens for seq_id in s.new_tokens.seq_ids]
+    assert rows == ["a#0"] * 4  # tokens 2-5 of a; b defers its outputs to its end
+    first_and_last = [o.seq_id for s in steps for o in s.outputs]
+    assert sorted(first_and_last) == ["a#0", "a#0", "b#0"]
+    assert len(done["a"].outputs[0].token_ids) == 6
+    assert done["a"].outputs[0].token_ids == done["b"].outputs[0].token_ids

@@ -15,8 +15,8 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.core.beam import BeamSearchParams
 from engine.core.messages import (AbortSequences, AddSequences, CoreFailed, CoreRequest,
-                                  EngineStats, SequenceFailed, SequenceOutput, StepOutput,
-                                  ToCore)
+                                  EngineStats, NewTokens, SequenceFailed, SequenceOutput,
+                                  StepOutput, ToCore)
 from server.client_router import ClientRouter
 from server.core_main import decode_frames
 from server_harness import ServerProcess, core_pid, is_running, metric, wait_for
@@ -44,6 +44,17 @@ def test_each_api_server_gets_its_own_outputs_and_every_step():
     assert [o.seq_id for o in routed[0].outputs] == ["a#0", "a#1"]
     assert routed[1].outputs == [] and routed[1].stats == STATS  # a sign of life all the same
     assert [o.seq_id for o in routed[2].outputs] == ["c#0"]
+
+
+def test_new_tokens_rows_go_to_their_own_api_server():
+    router = ClientRouter(2)
+    router.note(add(0, "a#0"))
+    router.note(add(1, "b#0", "c#0"))
+    new = NewTokens(["b#0", "a#0", "c#0"], [5, 6, 7], [1.0, 2.0, 3.0])
+    routed = dict(router.route(StepOutput([output("a#0")], STATS, new)))
+    assert routed[0].new_tokens == NewTokens(["a#0"], [6], [2.0])
+    assert routed[1].new_tokens == NewTokens(["b#0", "c#0"], [5, 7], [1.0, 3.0])
+    assert [o.seq_id for o in routed[0].outputs] == ["a#0"] and routed[1].outputs == []
 
 
 def test_a_beam_searchs_results_all_go_to_its_api_server():
