@@ -237,10 +237,14 @@ class Request:
     # kept by append_output_token: read several times per step
     num_output_tokens: int = field(init=False)
     num_tokens: int = field(init=False)
+    # the length at which max_tokens ends it; within max_model_len (Scheduler admits only
+    # requests that pass check_fits), so it is the one length bound
+    max_num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_output_tokens = len(self.output_token_ids)
         self.num_tokens = len(self.prompt_token_ids) + self.num_output_tokens
+        self.max_num_tokens = len(self.prompt_token_ids) + self.params.max_tokens
 
     def append_output_token(self, token: int) -> None:
         """The only way a token joins output_token_ids: keeps the counts."""

@@ -160,6 +160,7 @@ class Scheduler:
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
                    for r in waiting)
         assert len(self.running) <= self.config.max_num_seqs
+        assert all(r.max_num_tokens <= self.config.max_model_len for r in self.requests.values())
         if self.by_priority:
             keys = [priority_key(r) for r in self.running]
             assert keys == sorted(keys), "running is out of priority order"
@@ -207,15 +208,9 @@ class Scheduler:
         step, request_id = self._step, request.request_id
         if request.first_scheduled_time is None:
             request.first_scheduled_time = step.now
-        if start >= request.num_tokens:  # decoding ahead: its one token is the last sample
-            seq = ScheduledSequence(request_id, [PLACEHOLDER_TOKEN], start,
-                                    self.block_manager.block_ids(request_id), True,
-                                    request.params, (), (), request.num_output_tokens + 1,
-                                    self._sample_rows[request_id])
-        else:
-            seq = self._describe(request, start, num_new, drafts)
-            step.num_drafts += len(drafts)
-            step.prompt_logprobs |= seq.prompt_logprobs is not None
+        seq = self._describe(request, start, num_new, drafts)
+        step.num_drafts += len(drafts)
+        step.prompt_logprobs |= seq.prompt_logprobs is not None
         request.num_pending_tokens += num_new
         step.num_tokens += num_new
         if seq.sample:
@@ -226,22 +221,46 @@ class Scheduler:
         step.sequences.append(seq)
         step.requests[request_id] = request
 
+    def _add_decode_ahead(self, request: Request, start: int) -> None:
+        """_add_to_step for a request decoding ahead of the step in flight (start ==
+        num_tokens): its one new token is that step's sample, a placeholder, and it samples
+        the next. The hot path of a decode step: one row per running sequence."""
+        step, request_id = self._step, request.request_id
+        step.sequences.append(ScheduledSequence(
+            request_id, [PLACEHOLDER_TOKEN], start, self.block_manager.block_ids(request_id),
+            True, request.params, (), (), request.num_output_tokens + 1,
+            self._sample_rows[request_id]))
+        request.num_pending_tokens += 1
+        request.num_pending_samples += 1
+        step.num_tokens += 1
+        step.sample_rows[request_id] = len(step.sample_rows)
+        step.requests[request_id] = request
+
     def _may_run_ahead(self, request: Request) -> bool:
         """Its pending token cannot end it by length, this step need not read it (penalties,
-        bad words), and it would not rather wait and speculate."""
-        ahead = request.num_pending_samples
-        return (request.num_output_tokens + ahead < request.params.max_tokens
-                and request.num_tokens + ahead < self.config.max_model_len
+        bad words), and it would not rather wait and speculate (never then: it decodes ahead
+        without drafts)."""
+        return (request.num_tokens + request.num_pending_samples < request.max_num_tokens
                 and not request.params.needs_output_tokens
                 and not (self.speculator and self.speculator.may_speculate(request)))
 
     def _schedule_running(self, budget: int, preempted: list[str]) -> int:
         """Victims come from the tail of `running`, never before i, so no request scheduled
         here is preempted afterwards."""
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        i, running, block_size = 0, self.running, self.block_manager.block_size
+        while i < len(running) and budget > 0:
+            request = running[i]
             computed = request.num_computed_tokens + request.num_pending_tokens
+            if request.num_pending_samples and computed == request.num_tokens:
+                # its next token is in flight: one placeholder, if it may decode ahead; a
+                # block holds position computed - 1 already, so a new one only at a boundary
+                if self._may_run_ahead(request) and (
+                        computed % block_size or self._grow(i, request, computed + 1, [],
+                                                            preempted)):
+                    self._add_decode_ahead(request, computed)
+                    budget -= 1
+                i += 1
+                continue
             num_new = min(request.num_tokens + request.num_pending_samples - computed, budget)
             if num_new <= 0 or (request.num_pending_samples
                                 and not self._may_run_ahead(request)):
@@ -251,23 +270,33 @@ class Scheduler:
                                                                      num_new, budget)
             num_new += len(drafts)
             total = computed + num_new
-            ahead = self._with_lookahead(total) if drafts else total
-            # the lookahead only where blocks are free: no request is preempted for it
-            while not (ahead > total and self.block_manager.grow(request.request_id, ahead)
-                       or self.block_manager.grow(request.request_id, total)):
-                victim = self._victim(i)
-                if victim is None:  # a beam, with only beams after it: it waits a step
-                    i += 1
-                    break
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            else:
-                self._add_to_step(request, computed, num_new, drafts)
-                budget -= num_new
+            # a block holds position computed - 1 already: a new one only past its end
+            if ((drafts or (total - 1) // block_size != (computed - 1) // block_size)
+                    and not self._grow(i, request, total, drafts, preempted)):
                 i += 1
+                continue
+            self._add_to_step(request, computed, num_new, drafts)
+            budget -= num_new
+            i += 1
         return budget
+
+    def _grow(self, i: int, request: Request, total: int, drafts: list[int],
+              preempted: list[str]) -> bool:
+        """Make running[i]'s table cover `total` tokens (and a speculating request's
+        lookahead where blocks are free: no request is preempted for it), preempting from the
+        tail as needed. False if it does not run this step: it is a beam with only beams
+        after it (it waits a step), or it was the victim."""
+        ahead = self._with_lookahead(total) if drafts else total
+        grow, request_id = self.block_manager.grow, request.request_id
+        while not (ahead > total and grow(request_id, ahead) or grow(request_id, total)):
+            victim = self._victim(i)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
 
     def _with_lookahead(self, num_tokens: int) -> int:
         """A speculating request's table covers the speculator's lookahead past its tokens."""
@@ -364,9 +393,11 @@ class Scheduler:
         accepted = (dict(zip(output.request_ids, output.accepted_drafts))
                     if scheduled.num_draft_tokens else {})
         changed, reports, beams = [], [], self._beam_of
+        block_size, running = self.block_manager.block_size, RequestStatus.RUNNING
         for seq in scheduled.sequences:
-            request = requests[seq.request_id]  # the very request scheduled (ids may be reused)
-            if request.status is not RequestStatus.RUNNING:
+            request_id = seq.request_id
+            request = requests[request_id]  # the very request scheduled (ids may be reused)
+            if request.status is not running:
                 continue  # finished or preempted since it was scheduled
             num_new = len(seq.token_ids)
             request.num_pending_tokens -= num_new
@@ -375,13 +406,22 @@ class Scheduler:
                 if self._apply_described(request, seq, sampled, accepted, now):
                     changed.append(request)
                 continue
-            if beams and seq.request_id in beams:  # its group picks its token
+            if beams and request_id in beams:  # its group picks its token
                 self._computed(request, num_new)
                 reports.append(request)
                 continue
             # one sampled token after known or placeholder tokens: the decode fast path
-            self._computed(request, num_new)
-            self._append(request, sampled[seq.request_id], now)
+            computed = request.num_computed_tokens = request.num_computed_tokens + num_new
+            if computed % block_size < num_new:
+                self._cache_full_blocks(request)  # a block boundary passed
+            token = sampled[request_id]
+            request.append_output_token(token)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if token in request.params.stop_token_set or (
+                    request.num_tokens >= request.max_num_tokens):
+                self._check_stop(request, token)
             changed.append(request)
         if reports:
             self._report_beams(reports, output, now)
@@ -450,8 +490,7 @@ class Scheduler:
         params = request.params
         if token in params.stop_token_set and request.num_output_tokens >= params.min_tokens:
             return self.finish(request.request_id, RequestStatus.FINISHED_STOPPED, token)
-        if (request.num_output_tokens >= params.max_tokens
-                or request.num_tokens >= self.config.max_model_len):
+        if request.num_tokens >= request.max_num_tokens:  # max_tokens out (or max_model_len)
             self.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
 
     # ------------------------------------------------------------ beam search
