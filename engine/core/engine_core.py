@@ -196,18 +196,20 @@ class EngineCore:
         outputs, new = [], NewTokens([], [], [])
         num_sent = self._num_sent
         for request in changed:
-            seq_id, params = request.request_id, request.params
+            params, finished = request.params, request.status.is_finished
+            if params.defers_outputs and not finished and not prompt_logprobs:
+                continue  # its tokens go out at its end (the offline path's every row)
+            seq_id = request.request_id
             sent = num_sent.get(seq_id)
             if (sent and sent + 1 == request.num_output_tokens and params.logprobs is None
-                    and not params.defers_outputs and not request.status.is_finished
+                    and not params.defers_outputs and not finished
                     and seq_id not in prompt_logprobs):  # a plain row (NewTokens)
                 num_sent[seq_id] = sent + 1
                 new.seq_ids.append(seq_id)
                 new.token_ids.append(request.output_token_ids[-1])
                 new.token_times.append(request.token_times[-1])
-            elif ((prompt_logprobs or request.status.is_finished or not params.defers_outputs)
-                  and (out := self._output_of(request, logprobs.get(seq_id),
-                                              prompt_logprobs.get(seq_id)))):
+            elif out := self._output_of(request, logprobs.get(seq_id),
+                                        prompt_logprobs.get(seq_id)):
                 outputs.append(out)
         if self.scheduler.finished_beam_searches:
             outputs += self._beam_search_results()
