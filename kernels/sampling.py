@@ -40,7 +40,7 @@ MULTIPLIER_1 = tl.constexpr(HASH_MULTIPLIERS[1])
 
 @triton.jit
 def _mix32(x):
-    """lowbias32 on uint32 (wrapping multiplies, logical shifts): engine.worker.layers._mix32."""
+    """lowbias32 on uint32 (wrapping multiplies, logical shifts): engine.worker.layers._mix32_."""
     x = x ^ (x >> 16)
     x = x * MULTIPLIER_0
     x = x ^ (x >> 15)

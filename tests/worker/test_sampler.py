@@ -356,3 +356,21 @@ def test_the_logprob_graphs_give_what_the_kernel_gives(count):
             assert torch.equal(got[1][:, :k], expected[1])
             assert torch.equal(got[2][:, :k], expected[2])
     assert graphs.takes(logits, batch) and not graphs.takes(logits.float(), 1)
+
+
+def test_a_rows_gumbel_noise_depends_on_its_seed_alone_across_cpu_chunks():
+    """gumbel_noise hashes GUMBEL_ROWS_CPU rows at a time on the CPU: every row, whichever
+    chunk it falls in, equals the row hashed alone and the spec's uniforms at both seed
+    extremes."""
+    rows = 2 * layers.GUMBEL_ROWS_CPU + 3
+    seeds = torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(1))
+    seeds[0], seeds[-1] = 0, 2**63 - 1
+    noise = layers.gumbel_noise(seeds, VOCAB)
+    assert noise.shape == (rows, VOCAB) and noise.isfinite().all()
+    for row in range(rows):
+        alone = layers.gumbel_noise(seeds[row:row + 1], VOCAB)[0]
+        assert torch.equal(noise[row], alone), row
+    cols = torch.arange(VOCAB)
+    uniform = layers.hashed_uniform(seeds[:, None], cols)
+    assert torch.equal(noise, -torch.log(-torch.log(uniform)))
+    assert 0 < uniform.min() and uniform.max() < 1
