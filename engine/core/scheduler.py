@@ -393,7 +393,7 @@ class Scheduler:
         accepted = (dict(zip(output.request_ids, output.accepted_drafts))
                     if scheduled.num_draft_tokens else {})
         changed, reports, beams = [], [], self._beam_of
-        block_size, running = self.block_manager.block_size, RequestStatus.RUNNING
+        running = RequestStatus.RUNNING
         for seq in scheduled.sequences:
             request_id = seq.request_id
             request = requests[request_id]  # the very request scheduled (ids may be reused)
@@ -411,17 +411,8 @@ class Scheduler:
                 reports.append(request)
                 continue
             # one sampled token after known or placeholder tokens: the decode fast path
-            computed = request.num_computed_tokens = request.num_computed_tokens + num_new
-            if computed % block_size < num_new:
-                self._cache_full_blocks(request)  # a block boundary passed
-            token = sampled[request_id]
-            request.append_output_token(token)
-            request.token_times.append(now)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if token in request.params.stop_token_set or (
-                    request.num_tokens >= request.max_num_tokens):
-                self._check_stop(request, token)
+            self._computed(request, num_new)
+            self._append(request, sampled[request_id], now)
             changed.append(request)
         if reports:
             self._report_beams(reports, output, now)
@@ -463,7 +454,9 @@ class Scheduler:
         request.token_times.append(now)
         if request.first_token_time is None:
             request.first_token_time = now
-        self._check_stop(request, token)
+        if token in request.params.stop_token_set or (
+                request.num_tokens >= request.max_num_tokens):  # else it cannot end here
+            self._check_stop(request, token)
 
     def _apply_verified(self, request: Request, seq: ScheduledSequence, accepted: list[int],
                         token: int, now: float) -> None:
