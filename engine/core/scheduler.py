@@ -393,11 +393,10 @@ class Scheduler:
         accepted = (dict(zip(output.request_ids, output.accepted_drafts))
                     if scheduled.num_draft_tokens else {})
         changed, reports, beams = [], [], self._beam_of
-        running = RequestStatus.RUNNING
         for seq in scheduled.sequences:
             request_id = seq.request_id
             request = requests[request_id]  # the very request scheduled (ids may be reused)
-            if request.status is not running:
+            if request.status is not RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
             num_new = len(seq.token_ids)
             request.num_pending_tokens -= num_new
