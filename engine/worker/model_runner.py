@@ -13,21 +13,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from engine.core.batch import GrammarMask, PromptLogprobs, RunnerOutput, SchedulerOutput
+from engine.core.batch import (GrammarMask, PromptLogprobs, RunnerOutput, ScheduledSequence,
+                               SchedulerOutput)
 from engine.core.config import EngineConfig
 from engine.worker.attention import get_attention_backend
 from engine.worker.block_copy import allocate_kv_caches, copy_blocks
 from engine.worker.cuda_graphs import (DecodeGraphs, GraphPlan, LogprobGraphs, MaskedDrawGraphs,
                                        MixedGraphs)
 from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
-from engine.worker.inputs import is_decode_step, prepare_host_inputs, take_placeholders, to_device
+from engine.worker.inputs import prepare_host_inputs, take_placeholders, to_device
 from engine.worker.kv_sizing import kv_block_bytes
 from engine.worker.models.gpt2 import GPT2Config, KVCache, load_gpt2
 from engine.worker.prompt_logprobs import PromptLogprobsOutput, compute_prompt_logprobs
 from engine.worker.quantization import quantize_linears
-from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput
+from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput, is_plain_draw
 from engine.worker.speculation import NO_SPECULATION, Speculation, StepPlan
 from engine.worker.startup import StartupCache, StartupPhases, default_cache_dir
 
@@ -75,6 +77,7 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         # the last launched step's sampled tokens, which the next step's placeholders name
         self._last_step: LaunchedStep | None = None
+        self._plain_decode: PlainDecode | None = None  # the last step, if a plain decode step
 
     @property
     def uses_graphs(self) -> bool:
@@ -143,11 +146,19 @@ class ModelRunner:
         one), after the step's block copies."""
         if out.block_copies:
             copy_blocks(kv_caches, out.block_copies)
+        sources = [s.prev_sample_row for s in out.sequences]
+        if self._continues_plain_decode(out, sources):
+            return self._launch_plain_decode(out, sources)
         to_sample = [s for s in out.sequences if s.sample]
         plan = self.speculation.plan(out, to_sample)
         draw_inputs = self.sampler.draw_inputs(plan.sample_rows)
-        logits, drawn, prompt_logprobs = self._forward(out, draw_inputs, kv_caches, plan)
+        decode = self._is_decode_step(out)
+        logits, drawn, prompt_logprobs = self._forward(out, sources, decode, draw_inputs,
+                                                       kv_caches, plan)
         self._last_step = LaunchedStep(out.step_id, None)
+        self._plain_decode = None
+        if decode and is_plain_draw(to_sample):
+            self._plain_decode = PlainDecode.of(out.step_id, to_sample, draw_inputs)
         pending = PendingStep([s.request_id for s in to_sample], None,
                               prompt_logprobs=prompt_logprobs)
         if to_sample:  # else prompt chunks only: nothing to sample
@@ -156,6 +167,37 @@ class ModelRunner:
             if not any(s.params.structured_outputs for s in to_sample):
                 pending.sample(None)
         return pending
+
+    def _is_decode_step(self, out: SchedulerOutput) -> bool:
+        """A step the decode graphs run: one token per row, every row sampling."""
+        seqs = out.sequences
+        return (self.decode_graphs is not None and 0 < len(seqs) <= self.decode_graphs.max_batch
+                and out.num_tokens == len(seqs) and all(s.sample for s in seqs))
+
+    def _continues_plain_decode(self, out: SchedulerOutput, sources: list[int]) -> bool:
+        """Every row of `out` is a placeholder continuing a row of the decode step launched
+        just before, whose rows were all plain draws (so are these: a row's parameters stay,
+        its min_tokens only run out), and nothing else runs beside the graph."""
+        last = self._plain_decode
+        return (last is not None and last.step_id == out.step_id - 1 and bool(sources)
+                and min(sources) >= 0 and len(sources) <= self.decode_graphs.max_batch
+                and self.speculation is NO_SPECULATION and not out.has_prompt_logprobs)
+
+    def _launch_plain_decode(self, out: SchedulerOutput, sources: list[int]) -> PendingStep:
+        """launch_on for a step that _continues_plain_decode: its draw inputs and staging come
+        from the last step's rows by index (Sampler.continued_draw_inputs,
+        DecodeStager.write_continued) and its tokens are the graph's own draws."""
+        seqs, last = out.sequences, self._plain_decode
+        src = np.array(sources, dtype=np.int64)
+        draw_inputs, seeded = self.sampler.continued_draw_inputs(seqs, src, last.temperature,
+                                                                  last.seeded)
+        logits, drawn = self.decode_graphs.run(seqs, sources, self._prev_sampled(out, sources),
+                                               draw_inputs, continues=True)
+        self._plain_decode = PlainDecode(out.step_id, draw_inputs[0], seeded)
+        sampled = SamplerOutput(drawn, [], [])
+        sampled.begin_host_copy()
+        self._last_step = LaunchedStep(out.step_id, drawn)
+        return PendingStep([s.request_id for s in seqs], sampled)
 
     @torch.inference_mode()  # a deferred sample runs after launch_on has returned
     def _sample(self, step_id: int, logits: torch.Tensor, plan: StepPlan,
@@ -167,8 +209,8 @@ class ModelRunner:
         self._last_step = LaunchedStep(step_id, sampled.token_ids)
         return sampled
 
-    def _forward(self, out: SchedulerOutput, draw_inputs: DrawInputs, kv_caches: list[KVCache],
-                 plan: StepPlan
+    def _forward(self, out: SchedulerOutput, sources: list[int], decode: bool,
+                 draw_inputs: DrawInputs, kv_caches: list[KVCache], plan: StepPlan
                  ) -> tuple[torch.Tensor, torch.Tensor | None, PromptLogprobsOutput | None]:
         """Logits of the sampling rows in the model's dtype (`draw_inputs` are theirs), plus
         each one's draw when a graph made it, and the step's prompt logprobs, if it has
@@ -179,10 +221,8 @@ class ModelRunner:
             return torch.empty(0, self.model.config.vocab_size, dtype=self.dtype,
                                device=self.device), None, None
         seqs = out.sequences
-        sources = [s.prev_sample_row for s in seqs]
         prev_tokens = self._prev_sampled(out, sources)
-        if (self.decode_graphs is not None and len(seqs) <= self.decode_graphs.max_batch
-                and is_decode_step(seqs)):
+        if decode:  # _is_decode_step
             return *self.decode_graphs.run(seqs, sources, prev_tokens, draw_inputs), None
         host = prepare_host_inputs(seqs, self.block_size, self.max_blocks_per_seq)
         write_drafts = plan.write_drafts(host)
@@ -222,6 +262,22 @@ class ModelRunner:
             raise RuntimeError(f"step {out.step_id} has placeholder tokens, but the last launch "
                                f"is not a step {out.step_id - 1} that sampled tokens: {last}")
         return last.token_ids
+
+
+@dataclass(frozen=True)
+class PlainDecode:
+    """A launched decode step whose rows were all plain draws (sampler.is_plain_draw), by
+    sample row: each one's temperature, and whether its request is seeded. What the next
+    step's placeholder rows continue (ModelRunner._launch_plain_decode)."""
+    step_id: int
+    temperature: np.ndarray  # float32 [rows]
+    seeded: np.ndarray  # bool [rows]
+
+    @classmethod
+    def of(cls, step_id: int, rows: list[ScheduledSequence], draw_inputs: DrawInputs
+           ) -> PlainDecode:
+        return cls(step_id, draw_inputs[0],
+                   np.array([s.params.seed is not None for s in rows], dtype=bool))
 
 
 @dataclass(frozen=True)

@@ -132,12 +132,28 @@ class Sampler:
     def draw_inputs(self, seqs: list[ScheduledSequence]) -> DrawInputs:
         """Host arrays for this step's draw; every step takes fresh seeds for its rows."""
         temperature = np.array([s.params.temperature for s in seqs], dtype=np.float32)
-        # raw 64-bit draws halved to 63 bits: 5x cheaper than rng.integers at batch 256
-        seeds = (self.rng.bit_generator.random_raw(len(seqs)) >> np.uint64(1)).astype(np.int64)
+        seeds = self._fresh_seeds(len(seqs))
         for row, s in enumerate(seqs):
             if s.params.seed is not None:
                 seeds[row] = step_seed(s.params.seed, s.num_output_tokens)
         return temperature, seeds
+
+    def _fresh_seeds(self, rows: int) -> np.ndarray:
+        """Raw 64-bit draws halved to 63 bits: 5x cheaper than rng.integers at batch 256."""
+        return (self.rng.bit_generator.random_raw(rows) >> np.uint64(1)).astype(np.int64)
+
+    def continued_draw_inputs(self, seqs: list[ScheduledSequence], src: np.ndarray,
+                              temperature: np.ndarray, seeded: np.ndarray
+                              ) -> tuple[DrawInputs, np.ndarray]:
+        """draw_inputs(seqs) when row i's request held row src[i] of the last step, whose
+        rows had `temperature` and were `seeded`: those are gathered, and only the seeded
+        rows are read. Returns the draw inputs and the rows' `seeded`."""
+        temperature, seeded = temperature[src], seeded[src]
+        seeds = self._fresh_seeds(len(seqs))
+        for row in np.flatnonzero(seeded).tolist():
+            s = seqs[row]
+            seeds[row] = step_seed(s.params.seed, s.num_output_tokens)
+        return (temperature, seeds), seeded
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
                  draw_inputs: DrawInputs | None = None, drawn: torch.Tensor | None = None,

@@ -146,13 +146,15 @@ FILTERED = PLAIN + [SamplingParams(top_k=5, max_tokens=20, ignore_eos=True)]
 def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                                                   async_scheduling, params):
     """The graph paths' inputs (pinned staging used in turn, changed-row block tables, the
-    token-source gather that fills placeholders, each row's draw temperature and seed, and
+    token-source gather that fills placeholders, decode steps continuing the last one by
+    row index (ModelRunner._launch_plain_decode), each row's draw temperature and seed, and
     for steps with prompt chunks the padded tokens and sequences) give the eager path's
     tokens. Graphs are replaced by eager replays, so this runs without CUDA. A 24-token
     budget splits prompts into chunks that share steps with decodes."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
     rng = random.Random(3)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 40))] for _ in range(7)]
+    filtered = params is FILTERED
     params = [params[i % len(params)] for i in range(len(prompts))]
     results = []
     for with_graphs in (False, True):
@@ -173,6 +175,12 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
         if with_graphs:
             assert decode.steps_staged > 20  # decode steps went through the staging
             assert mixed.steps_staged > 5  # and so did the steps with prompt chunks
+            # steps of placeholder rows after a plain decode step continue it by index (with
+            # a top-k row, only once it has finished); no placeholders without async
+            if not async_scheduling:
+                assert decode.steps_continued == 0
+            elif not filtered:
+                assert decode.steps_continued > 10
     assert results[0] == results[1]
 
 

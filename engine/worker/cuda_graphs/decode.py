@@ -65,18 +65,25 @@ class DecodeGraphs(OneTokenGraphs):
         super().__init__(model, kv_caches, sizes, max_model_len, device,
                          lambda rows: decode_meta_layout(rows, max_blocks_per_seq),
                          lambda tokens, meta: DecodeStager(tokens, meta, block_size), follower)
+        first, second = (staging.stager for staging in self._staging)
+        first.peer, second.peer = second, first  # the mirrors take turns: one holds the last step
+        self.steps_continued = 0  # steps staged by DecodeStager.write_continued
 
     def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._logits_and_draws(self._hidden(size))
 
     def run(self, seqs: list[ScheduledSequence], sources: list[int],
-            prev_tokens: torch.Tensor | None,
-            draw_inputs: DrawInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """sources[i] >= 0: sequence i's placeholder's row in prev_tokens. Returns logits
-        [B, vocab] and drawn tokens [B], valid until the next replay."""
+            prev_tokens: torch.Tensor | None, draw_inputs: DrawInputs,
+            continues: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """sources[i] >= 0: sequence i's placeholder's row in prev_tokens. `continues`: the
+        last replay of these graphs was the step just before, and every row continues one of
+        its rows (DecodeStager.write_continued). Returns logits [B, vocab] and drawn tokens
+        [B], valid until the next replay."""
         batch = len(seqs)
         size = self.size_for(batch)
-        self._replay(size, lambda stager: stager.write(seqs, size, sources, draw_inputs),
+        write = DecodeStager.write_continued if continues else DecodeStager.write
+        self.steps_continued += continues
+        self._replay(size, lambda stager: write(stager, seqs, size, sources, draw_inputs),
                      prev_tokens, size)
         logits, drawn = self.outputs[size]
         return logits[:batch], drawn[:batch]
@@ -93,21 +100,52 @@ class DecodeStager:
         n = len(tokens.token_ids)
         self._own_token = np.arange(n, 2 * n)  # token_source of each row's own token id
         self._rows: list[tuple[int, ...] | None] = [None] * n  # what each table row holds
+        self.peer: DecodeStager | None = None  # the other mirror's stager (DecodeGraphs)
 
     def write(self, seqs: list[ScheduledSequence], size: int, sources: list[int],
               draw_inputs: DrawInputs) -> None:
         """`draw_inputs`: Sampler.draw_inputs'."""
-        batch, bs, t = len(seqs), self.block_size, self.tokens
+        batch, t = len(seqs), self.tokens
         self._write_tables(seqs, size)
         token_ids, positions = t.token_ids[:batch], t.positions[:batch]
         token_ids[:] = [s.token_ids[0] for s in seqs]
         np.maximum(token_ids, 0, out=token_ids)  # a placeholder's id comes from prev_tokens
         positions[:] = [s.start_position for s in seqs]
-        rows = np.arange(batch)
-        t.slot_mapping[:batch] = self.meta.block_tables[rows, positions // bs] * bs + positions % bs
         source = t.token_source[:batch]
         source[:] = sources
         np.copyto(source, self._own_token[:batch], where=source < 0)
+        self._write_rest(batch, size, draw_inputs)
+
+    def write_continued(self, seqs: list[ScheduledSequence], size: int, sources: list[int],
+                        draw_inputs: DrawInputs) -> None:
+        """write(), for a step whose every row i is a placeholder continuing row sources[i]
+        of the step the peer staged just before: its position is that row's plus one, its
+        block table that row's, read from the peer's arrays, not from the rows. A table grows
+        only as a position starts a block (Scheduler._add_decode_ahead), so only those rows'
+        block ids are read. Per-row Python work: those rows, and one pass over the ids."""
+        batch, bs, t, last = len(seqs), self.block_size, self.tokens, self.peer
+        src = np.array(sources, dtype=np.int64)
+        tables, held = self.meta.block_tables, self._rows
+        tables[:batch] = last.meta.block_tables[src]
+        held[:batch] = [last._rows[r] for r in sources]
+        positions = t.positions[:batch]
+        np.add(last.tokens.positions[src], 1, out=positions)
+        for row in np.flatnonzero(positions % bs == 0).tolist():  # a new block: the new table
+            block_ids = seqs[row].block_ids
+            tables[row, :len(block_ids)] = block_ids
+            held[row] = tuple(block_ids)
+        self._pad_tables(batch, size)
+        t.token_ids[:batch] = 0  # every row's token comes from prev_tokens
+        t.token_source[:batch] = src
+        self._write_rest(batch, size, draw_inputs)
+
+    def _write_rest(self, batch: int, size: int, draw_inputs: DrawInputs) -> None:
+        """Slots and sequence lengths of the first `batch` rows (positions and tables
+        written), padding rows, draw inputs."""
+        bs, t = self.block_size, self.tokens
+        positions = t.positions[:batch]
+        rows = np.arange(batch)
+        t.slot_mapping[:batch] = self.meta.block_tables[rows, positions // bs] * bs + positions % bs
         t.token_ids[batch:size] = 0
         t.positions[batch:size] = 0
         t.slot_mapping[batch:size] = -1
@@ -122,7 +160,11 @@ class DecodeStager:
             if self._rows[row] != s.block_ids:
                 tables[row, :len(s.block_ids)] = s.block_ids
                 self._rows[row] = tuple(s.block_ids)  # no copy of the scheduler's tuple
-        for row in range(len(seqs), size):
+        self._pad_tables(len(seqs), size)
+
+    def _pad_tables(self, batch: int, size: int) -> None:
+        tables = self.meta.block_tables
+        for row in range(batch, size):
             if self._rows[row] != PADDING_ROW:
                 tables[row, 0] = 0
                 self._rows[row] = PADDING_ROW
