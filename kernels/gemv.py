@@ -10,9 +10,9 @@ tile that is summed over K once, after the loop:
     x [M, K]          the same K slice for every row, from L1/L2
     acc [M, BN, BK]   += W_tile * x_slice      (fp32 FMAs, no reduction inside the loop)
 
-With EARLY the program loads its first W tile before waiting for the kernel before it (PDL):
-weights never depend on it, so that load overlaps the previous kernel's tail; the loop then
-loads each next tile before using the current one.
+With EARLY the program loads its first W tile before waiting for the kernel before it
+(`pdl_prologue_loading`): weights never depend on it, so that load overlaps the previous
+kernel's tail; the loop then loads each next tile before using the current one.
 
 With a norm, x is the branch output and s = x + residual: every program reads its rows of s
 whole (K <= MAX_NORM_K, from L2), takes their mean and variance in two passes in registers,
@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels.arrival_counters import counters_for
 from kernels.device_info import num_sms
-from kernels.pdl import _launch_dependents, _wait_for_previous, pdl_options
+from kernels.pdl import pdl_options, pdl_prologue_loading
 from kernels.skinny_gemm import AddNorm, _epilogue, _sum_rows, split_k_sum
 
 MAX_M = 2  # beyond, M FMAs a weight and M accumulators: the tensor-core kernels win
@@ -96,27 +96,46 @@ def _x_slice(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, rows, offs_k, k_ok, M, stride_x
 
 
 @triton.jit
+def _w_rows(w_ptr, stride_wn, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] starts of this program's rows of W (rows past N: masked by _n_ok)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return w_ptr + rows.to(tl.int64) * stride_wn
+
+
+@triton.jit
+def _n_ok(N, BLOCK_N: tl.constexpr):
+    return tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N) < N
+
+
+@triton.jit
+def _split_start(k_per_split, BLOCK_K: tl.constexpr):
+    """[BLOCK_K] columns of this program's first K step."""
+    return tl.program_id(1) * k_per_split + tl.arange(0, BLOCK_K)
+
+
+@triton.jit
+def _split_end(K, k_per_split):
+    return tl.minimum(K, (tl.program_id(1) + 1) * k_per_split)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, res_ptr,
                  ln_w_ptr, ln_b_ptr, sum_ptr, eps, M, N, K, k_per_split, stride_xm, stride_wn,
                  stride_om, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, SCALED: tl.constexpr,
                  NORM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_K: tl.constexpr,
                  EARLY: tl.constexpr, USE_PDL: tl.constexpr):
-    _launch_dependents(USE_PDL)
+    w = pdl_prologue_loading(USE_PDL, EARLY, _w_rows(w_ptr, stride_wn, BLOCK_N),
+                             _n_ok(N, BLOCK_N), _split_start(k_per_split, BLOCK_K),
+                             _split_end(K, k_per_split))
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = tl.arange(0, BLOCK_M)
     k_lo = split * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    offs_k = k_lo + tl.arange(0, BLOCK_K)
-    w = tl.zeros([BLOCK_N, BLOCK_K], w_ptr.dtype.element_ty)
-    if EARLY:
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & (offs_k < k_hi)[None, :],
-                    other=0.0)
-    _wait_for_previous(USE_PDL)
+    k_hi = _split_end(K, k_per_split)
+    w_rows = _w_rows(w_ptr, stride_wn, BLOCK_N)[:, None]
     mean = tl.zeros([BLOCK_M], tl.float32)
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if NORM:

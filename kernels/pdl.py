@@ -13,7 +13,8 @@ finishes only after its predecessor, and a normally launched kernel (cuBLAS, tor
 still sees everything before it. CUDA-graph capture keeps these edges.
 
 `pdl_prologue_prefetching` also asks L2 for a kernel's weights (no kernel's output) between
-the two, so they arrive while the kernel before it still runs.
+the two, so they arrive while the kernel before it still runs; `pdl_prologue_loading` loads a
+tile of them into registers there.
 
 Set GPT2_SERVE_PDL=0 to launch normally, GPT2_SERVE_PREFETCH=0 to keep PDL but drop the
 prefetch (for A/B timings); both are off on the CPU interpreter and on GPUs before Hopper.
@@ -75,6 +76,23 @@ def pdl_prologue_prefetching(USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, row_
                                   "=r,l,r", [row_ptrs.to(tl.int64), row_bytes], dtype=tl.int32,
                                   is_pure=False, pack=1)
     _wait_for_previous(USE_PDL)
+
+
+@triton.jit
+def pdl_prologue_loading(USE_PDL: tl.constexpr, LOAD: tl.constexpr, row_ptrs, row_ok, cols,
+                         end):
+    """pdl_prologue, and in between (if LOAD) the load of a tile of read-only data (weights):
+    row_ptrs [R] + cols [C], zero in rows not row_ok and from column `end` on. Returns the
+    [R, C] tile (zeros if not LOAD); issued before the wait, it overlaps the kernel before
+    this one."""
+    _launch_dependents(USE_PDL)
+    ptrs = row_ptrs[:, None] + cols[None, :]
+    if LOAD:
+        tile = tl.load(ptrs, mask=row_ok[:, None] & (cols < end)[None, :], other=0.0)
+    else:
+        tile = tl.zeros(ptrs.shape, ptrs.dtype.element_ty)
+    _wait_for_previous(USE_PDL)
+    return tile
 
 
 @triton.jit
