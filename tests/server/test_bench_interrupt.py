@@ -17,6 +17,13 @@ def report_values(text: str) -> dict[str, str]:
     return dict(re.findall(r"^(.+?:)\s+(\S+)\s*$", text, re.MULTILINE))
 
 
+def default_sigint() -> None:
+    """In the bench's process before it starts: SIGINT as a terminal's foreground job has it.
+    A test run started in the background inherits it ignored, and Python keeps an ignored
+    SIGINT ignored (no KeyboardInterrupt): the bench would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_reports_the_requests_finished_so_far(tiny_checkpoint, tmp_path):
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it (the client
     workers get it too), once the server has finished a few requests."""
@@ -29,7 +36,7 @@ def test_ctrl_c_reports_the_requests_finished_so_far(tiny_checkpoint, tmp_path):
              "--output-len", "16", "--num-workers", "2", "--disable-tqdm",
              "--result-file", str(result_file)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=default_sigint)
         # the warm-up request and at least three of the run's
         assert wait_for(lambda: metric(server.url, "vllm:request_success_total",
                                        finished_reason="length") >= 4, timeout=120)
