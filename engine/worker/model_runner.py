@@ -192,7 +192,7 @@ class ModelRunner:
         draw_inputs, seeded = self.sampler.continued_draw_inputs(seqs, src, last.temperature,
                                                                   last.seeded)
         logits, drawn = self.decode_graphs.run(seqs, sources, self._prev_sampled(out, sources),
-                                               draw_inputs, continues=True)
+                                               draw_inputs, continued=src)
         self._plain_decode = PlainDecode(out.step_id, draw_inputs[0], seeded)
         sampled = SamplerOutput(drawn, [], [])
         sampled.begin_host_copy()

@@ -89,6 +89,13 @@ class SamplerOutput:
                 for row in self.host[-1].tolist()]
 
 
+def _seed_rows(seeds: np.ndarray, seqs: list[ScheduledSequence], rows: list[int]) -> None:
+    """Seeded rows draw at their request's seed for the token they sample (step_seed)."""
+    for row in rows:
+        s = seqs[row]
+        seeds[row] = step_seed(s.params.seed, s.num_output_tokens)
+
+
 def is_plain_draw(seqs: list[ScheduledSequence]) -> bool:
     """Every row's token is drawn from its raw logits at its temperature (greedy: their
     argmax), with nothing else applied: what the decode graphs and `draw` alone compute."""
@@ -133,9 +140,7 @@ class Sampler:
         """Host arrays for this step's draw; every step takes fresh seeds for its rows."""
         temperature = np.array([s.params.temperature for s in seqs], dtype=np.float32)
         seeds = self._fresh_seeds(len(seqs))
-        for row, s in enumerate(seqs):
-            if s.params.seed is not None:
-                seeds[row] = step_seed(s.params.seed, s.num_output_tokens)
+        _seed_rows(seeds, seqs, [row for row, s in enumerate(seqs) if s.params.seed is not None])
         return temperature, seeds
 
     def _fresh_seeds(self, rows: int) -> np.ndarray:
@@ -150,9 +155,7 @@ class Sampler:
         rows are read. Returns the draw inputs and the rows' `seeded`."""
         temperature, seeded = temperature[src], seeded[src]
         seeds = self._fresh_seeds(len(seqs))
-        for row in np.flatnonzero(seeded).tolist():
-            s = seqs[row]
-            seeds[row] = step_seed(s.params.seed, s.num_output_tokens)
+        _seed_rows(seeds, seqs, np.flatnonzero(seeded).tolist())
         return (temperature, seeds), seeded
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSequence],

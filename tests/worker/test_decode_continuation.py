@@ -68,7 +68,7 @@ def test_continued_staging_equals_staging_from_the_rows(seed, num_blocks):
         draw = (np.ones(size, np.float32), np.arange(size) + out.step_id)
         current = pair[staged_steps % 2]
         if last_step == out.step_id - 1 and min(sources) >= 0:
-            current.write_continued(seqs, size, sources, draw)
+            current.write_continued(seqs, size, sources, np.array(sources), draw)
         else:
             current.write(seqs, size, sources, draw)
         reference.write(seqs, size, sources, draw)

@@ -74,17 +74,21 @@ class DecodeGraphs(OneTokenGraphs):
 
     def run(self, seqs: list[ScheduledSequence], sources: list[int],
             prev_tokens: torch.Tensor | None, draw_inputs: DrawInputs,
-            continues: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """sources[i] >= 0: sequence i's placeholder's row in prev_tokens. `continues`: the
-        last replay of these graphs was the step just before, and every row continues one of
-        its rows (DecodeStager.write_continued). Returns logits [B, vocab] and drawn tokens
-        [B], valid until the next replay."""
+            continued: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """sources[i] >= 0: sequence i's placeholder's row in prev_tokens. `continued`: the
+        same sources as an array, when the last replay of these graphs was the step just
+        before and every row continues one of its rows (DecodeStager.write_continued).
+        Returns logits [B, vocab] and drawn tokens [B], valid until the next replay."""
         batch = len(seqs)
         size = self.size_for(batch)
-        write = DecodeStager.write_continued if continues else DecodeStager.write
-        self.steps_continued += continues
-        self._replay(size, lambda stager: write(stager, seqs, size, sources, draw_inputs),
-                     prev_tokens, size)
+        def stage(stager: DecodeStager) -> None:
+            if continued is None:
+                stager.write(seqs, size, sources, draw_inputs)
+            else:
+                stager.write_continued(seqs, size, sources, continued, draw_inputs)
+
+        self.steps_continued += continued is not None
+        self._replay(size, stage, prev_tokens, size)
         logits, drawn = self.outputs[size]
         return logits[:batch], drawn[:batch]
 
@@ -117,14 +121,14 @@ class DecodeStager:
         self._write_rest(batch, size, draw_inputs)
 
     def write_continued(self, seqs: list[ScheduledSequence], size: int, sources: list[int],
-                        draw_inputs: DrawInputs) -> None:
+                        src: np.ndarray, draw_inputs: DrawInputs) -> None:
         """write(), for a step whose every row i is a placeholder continuing row sources[i]
-        of the step the peer staged just before: its position is that row's plus one, its
-        block table that row's, read from the peer's arrays, not from the rows. A table grows
-        only as a position starts a block (Scheduler._add_decode_ahead), so only those rows'
-        block ids are read. Per-row Python work: those rows, and one pass over the ids."""
+        (`src`: the same, as an int64 array) of the step the peer staged just before: its
+        position is that row's plus one, its block table that row's, read from the peer's
+        arrays, not from the rows. A table grows only as a position starts a block
+        (Scheduler._add_decode_ahead), so only those rows' block ids are read. Per-row Python
+        work: those rows, and one pass over the peer's held tables."""
         batch, bs, t, last = len(seqs), self.block_size, self.tokens, self.peer
-        src = np.array(sources, dtype=np.int64)
         tables, held = self.meta.block_tables, self._rows
         tables[:batch] = last.meta.block_tables[src]
         held[:batch] = [last._rows[r] for r in sources]
