@@ -106,16 +106,18 @@ def _sample_kernel(x_ptr, temperature_ptr, seed_ptr, best_ptr, index_ptr, out_pt
         tl.store(out_ptr + row, winner)
 
 
-def row_sample(logits: torch.Tensor, temperature: torch.Tensor,
-               seeds: torch.Tensor) -> torch.Tensor:
+def row_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V], temperature [B] (0: greedy; float32 or float64, used as float32),
-    seeds int64 [B] -> int64 [B]."""
+    seeds int64 [B] -> int64 [B]: `out` (contiguous) if given, else a new tensor."""
     assert logits.dim() == 2 and logits.stride(1) == 1
     assert temperature.is_floating_point() and seeds.dtype == torch.int64
     rows, vocab = logits.shape
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    assert out.shape == (rows,) and out.dtype == torch.int64 and out.stride(0) == 1
     if rows == 0 or vocab == 0:
-        return torch.zeros(rows, dtype=torch.int64, device=logits.device)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)  # every row is written
+        return out.zero_()
     chunks = triton.cdiv(vocab, CHUNK)
     best = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     index = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)

@@ -1,5 +1,5 @@
-"""Graph sets on CPU: eager stand-ins for captured CUDA graphs, so the graph paths' staging,
-inputs and replay order run without CUDA. (A draft chain needs none: uncaptured, it runs its
+"""Graph sets (and the masked draw's graphs) on CPU: eager stand-ins for captured CUDA graphs,
+so the graph paths' staging, inputs and replay order run without CUDA. (A draft chain needs none: uncaptured, it runs its
 iterations eagerly itself.)"""
 from __future__ import annotations
 
@@ -24,3 +24,9 @@ def replay_eagerly(graphs) -> None:
         graphs.graphs[size] = _EagerReplay(partial(_refresh_outputs, graphs, size))
         if graphs.follower is not None:
             graphs.follow_graphs[size] = _EagerReplay(partial(graphs.follow, size))
+
+
+def replay_masked_draw_eagerly(graphs) -> None:
+    """MaskedDrawGraphs on CPU: each size's replay runs what its graph would record."""
+    for size in graphs.sizes:
+        graphs.graphs[size] = _EagerReplay(partial(graphs.record, size))

@@ -9,10 +9,10 @@ With async_scheduling off, each step is applied before step() returns. A step fl
 `apply_before_next` (a request in it may speculate) is applied before the next is scheduled:
 wait N ─▶ update N ─▶ schedule N+1 ─▶ launch N+1 (docs/speculative.md section 4).
 
-A step with structured-output rows samples late: its forward is launched, step N is applied
-(the grammars take its tokens), its mask is requested, and it samples just before the next
-launch, so the mask fills while the core hands over step N and schedules N+2:
-schedule N+1 ─▶ launch N+1's forward ─▶ wait N ─▶ update N ─▶ request mask N+1 ─▶ ...
+A step with structured-output rows samples late: its forward is launched, the grammars take
+step N's tokens as soon as they arrive, its mask is requested, and it samples just before the
+next launch, so the mask fills while the core updates and hands over step N and schedules N+2:
+schedule N+1 ─▶ launch N+1's forward ─▶ wait N ─▶ request mask N+1 ─▶ update N ─▶ ...
 ─▶ schedule N+2 ─▶ take mask, sample N+1 ─▶ launch N+2. A constraint that completes ends its
 sequence when the mask after its last token is taken. A constrained sequence waits outside
 the scheduler until its grammar has compiled.
@@ -134,8 +134,9 @@ class EngineCore:
         if self.config.scheduler.async_scheduling:
             previous, self._in_flight = self._in_flight, launched
             if previous is not None:  # never a step applied above: that left nothing in flight
-                outputs, new_tokens = self._apply(*previous)
-            self._request_mask(launched)
+                outputs, new_tokens = self._apply(*previous, launched)
+            else:
+                self._request_mask(launched)
         elif launched is not None:
             self._request_mask(launched)
             outputs, new_tokens = self._apply(*launched)
@@ -179,12 +180,18 @@ class EngineCore:
             self._release_grammar(seq_id)
         pending.sample(mask)
 
-    def _apply(self, scheduled, pending) -> tuple[list[SequenceOutput], NewTokens | None]:
+    def _apply(self, scheduled, pending, launched=None
+               ) -> tuple[list[SequenceOutput], NewTokens | None]:
         """Wait for a launched step, update the scheduler, and report what changed (and the
         sequences their grammar ended since the last step was applied, and the results of the
-        beam searches it ended): the plain rows as NewTokens, the others as SequenceOutputs."""
+        beam searches it ended): the plain rows as NewTokens, the others as SequenceOutputs.
+        `launched`: the step launched after it, whose mask is asked for as soon as the
+        grammars have this step's tokens, before the update, so that it fills meanwhile."""
         self._sample_masked(pending)
         result = pending.wait()
+        if self._grammar_tokens:
+            self._advance_sampled(scheduled.step_id, result)
+        self._request_mask(launched)
         changed = self.scheduler.update(scheduled, result)
         if self._grammar_tokens:  # constrained sequences are running
             self._advance_grammars(changed)
@@ -231,9 +238,18 @@ class EngineCore:
         self.scheduler.finished_beam_searches.clear()
         return outputs
 
+    def _advance_sampled(self, step_id: int, result) -> None:
+        """The matchers take the step's tokens that its update will append, before it runs
+        (a constrained request never has drafts: one token a row)."""
+        taken, applies = self._grammar_tokens, self.scheduler.applies_token
+        for seq_id, token in zip(result.request_ids, result.sampled_token_ids):
+            if seq_id in taken and applies(step_id, seq_id):
+                self.grammars.advance(seq_id, [token])
+                taken[seq_id] += 1
+
     def _advance_grammars(self, changed: list[Request]) -> None:
-        """The constrained requests' matchers take their new tokens; a finished request's
-        matcher goes."""
+        """The constrained requests' matchers take their new tokens not taken yet (none after
+        _advance_sampled); a finished request's matcher goes."""
         for request in changed:
             seq_id = request.request_id
             if seq_id not in self._grammar_tokens:

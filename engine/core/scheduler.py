@@ -384,6 +384,12 @@ class Scheduler:
                                  request.params.prompt_logprobs)
 
     # ----------------------------------------------------------------- update
+    def applies_token(self, step_id: int, request_id: str) -> bool:
+        """Whether update() of step `step_id` (not yet applied) will append the request's
+        sampled token: the very request scheduled there still runs."""
+        request = self._step_requests.get(step_id, {}).get(request_id)
+        return request is not None and request.status is RequestStatus.RUNNING
+
     def update(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
         """Apply one step's results. Returns requests that got a new token, prompt logprobs
         (the step's RunnerOutput has them) or finished."""

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `engine`
 # a child fills 16 rows of a JSON schema in ~0.3 ms, well within a step's host time: fewer
 # children per step mean fewer messages
 SEQS_PER_CHILD = 16
+CHILD_EXIT_WAIT = 10  # seconds a closing GrammarProcess waits for each child to exit
 
 
 class _Child:
@@ -172,13 +173,21 @@ class GrammarProcess:
 
 
 def _stop(children: list[_Child], memory: mmap.mmap, pinned_address: int | None) -> None:
-    for child in children:
-        child.conn.close()
-    for child in children:
-        child.process.wait(timeout=10)
+    """Unpin first: a registration that outlived its mapping (a child slow to exit, say)
+    would refuse the next mapping at that address, and leave CUDA's last error set for the
+    next kernel launch to raise. A child that has not exited within CHILD_EXIT_WAIT is
+    killed (one still importing xgrammar reads its closed socket only after)."""
     if pinned_address is not None:  # `memory` is still mapped: this call holds it
         import torch
         torch.cuda.cudart().cudaHostUnregister(pinned_address)
+    for child in children:
+        child.conn.close()
+    for child in children:
+        try:
+            child.process.wait(timeout=CHILD_EXIT_WAIT)
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
 
 
 def _pin(array: np.ndarray) -> bool:

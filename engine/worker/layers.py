@@ -121,17 +121,20 @@ def gumbel_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     return noise
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor,
-           seeds: torch.Tensor) -> torch.Tensor:
-    """[B, V] logits, [B] temperatures (as float32), [B] int64 seeds -> int64 [B] tokens: the
-    row's argmax where its temperature is 0 (greedy), else argmax(logits / T + Gumbel noise).
-    As torch.argmax, the first index wins ties and NaN ranks highest."""
+def sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, V] logits, [B] temperatures (as float32), [B] int64 seeds -> int64 [B] tokens (in
+    `out` if given): the row's argmax where its temperature is 0 (greedy), else
+    argmax(logits / T + Gumbel noise). As torch.argmax, the first index wins ties and NaN
+    ranks highest."""
     logits = logits.float()
     temperature = temperature.float()[:, None]
     if not logits.is_cuda and not (temperature > 0).any():  # a free check on the host only
-        return logits.argmax(dim=-1)  # all greedy: no noise to hash over the vocabulary
-    noisy = logits / temperature.clamp(min=1e-30) + gumbel_noise(seeds, logits.shape[1])
-    return torch.where(temperature > 0, noisy, logits).argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)  # all greedy: no noise to hash over the vocabulary
+    else:
+        noisy = logits / temperature.clamp(min=1e-30) + gumbel_noise(seeds, logits.shape[1])
+        tokens = torch.where(temperature > 0, noisy, logits).argmax(dim=-1)
+    return tokens if out is None else out.copy_(tokens)
 
 
 def masked_sample(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
@@ -196,7 +199,7 @@ class Ops:
     add_layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     linear: Callable[..., torch.Tensor]  # linear(x, weight, bias, gelu=False)
     add_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    sample: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    sample: Callable[..., torch.Tensor]  # sample(logits, temperature, seeds, out=None)
     # masked_sample(logits, rows, bitmask, temperature, seeds, out): draws into out in place
     masked_sample: Callable[..., None]
     # token_logprobs(logits, rows, tokens, k) -> (token logprob, top k logprobs, their ids)

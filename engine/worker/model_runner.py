@@ -22,7 +22,7 @@ from engine.core.config import EngineConfig
 from engine.worker.attention import get_attention_backend
 from engine.worker.block_copy import allocate_kv_caches, copy_blocks
 from engine.worker.cuda_graphs import (DecodeGraphs, GraphPlan, LogprobGraphs, MaskedDrawGraphs,
-                                       MixedGraphs)
+                                       MixedGraphs, StepOutputs)
 from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
 from engine.worker.inputs import prepare_host_inputs, take_placeholders, to_device
 from engine.worker.kv_sizing import kv_block_bytes
@@ -92,28 +92,31 @@ class ModelRunner:
         self.kv_caches = self.allocate_kv_cache(num_blocks)
 
     def capture_graphs(self) -> None:
-        """Mixed-step graphs (the larger) first, then decode graphs, in one memory pool;
-        each graph runs the speculation's follower over the step's inputs too, if it has
-        one. Then the masked draw's and the logprobs' graphs (structured outputs' rows after a
-        graph's draw; rows asking for logprobs), in a pool of their own."""
+        """Mixed-step graphs (the larger) first, then decode graphs, in one memory pool,
+        all writing their logits and draws into one StepOutputs; each graph runs the
+        speculation's follower over the step's inputs too, if it has one. Then the masked
+        draw's and the logprobs' graphs (structured outputs' rows after a graph's draw; rows
+        asking for logprobs), in a pool of their own."""
         sched, plan, start, pool = self.config.scheduler, self.graph_plan, time.perf_counter(), None
-        follower = self.speculation.follower
+        follower, cfg = self.speculation.follower, self.model.config
+        step = StepOutputs(plan.max_sample_rows, cfg.padded_vocab_size, cfg.vocab_size,
+                           self.dtype, self.device)
         if plan.mixed_sizes:
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, plan.mixed_sizes,
                                             sched.max_num_seqs, self.max_blocks_per_seq,
                                             sched.max_model_len, self.device,
-                                            plan.max_sample_rows, follower)
+                                            plan.max_sample_rows, follower, step)
             pool = self.mixed_graphs.capture()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, plan.decode_sizes,
                                           self.max_blocks_per_seq, self.block_size,
-                                          sched.max_model_len, self.device, follower)
+                                          sched.max_model_len, self.device, follower, step)
         self.decode_graphs.capture(pool)
-        vocab = self.model.config.vocab_size
         self.sampler.masked_graphs = MaskedDrawGraphs(
-            self.model.ops.masked_sample, vocab, -(-vocab // 32), self.dtype, sched.max_num_seqs,
+            self.model.ops.masked_sample, step, -(-cfg.vocab_size // 32), sched.max_num_seqs,
             self.device)
-        self.sampler.logprob_graphs = LogprobGraphs(self.model.ops.token_logprobs, vocab,
-                                                    self.dtype, sched.max_num_seqs, self.device)
+        self.sampler.logprob_graphs = LogprobGraphs(self.model.ops.token_logprobs,
+                                                    cfg.vocab_size, self.dtype,
+                                                    sched.max_num_seqs, self.device)
         self.sampler.logprob_graphs.capture(self.sampler.masked_graphs.capture())
         self.startup.add("graphs", time.perf_counter() - start)
         log.info("captured CUDA graphs in %.1f s: decode for batch sizes %s; mixed steps for "

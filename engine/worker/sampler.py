@@ -218,14 +218,15 @@ class Sampler:
                      mask: GrammarMask | None) -> torch.Tensor:
         """Plain draws for every row (the graph's, if it made them; none when every row is
         constrained), then one masked draw of the constrained rows over their bitmask, in
-        place: for it, three uploads (rows and seeds, temperatures, the bitmask), one launch."""
+        place: replayed (MaskedDrawGraphs) where a graph wrote the step's StepOutputs, else
+        three uploads (rows and seeds, temperatures, the bitmask) and one launch."""
         device = logits.device
         rows = np.array([i for i, s in enumerate(seqs) if s.params.structured_outputs is not None],
                         dtype=np.int64)
         graphs = self.masked_graphs
-        if graphs is not None and drawn is not None and len(rows) <= graphs.sizes[-1]:
+        if graphs is not None and drawn is not None and graphs.takes(logits, drawn, len(rows)):
             check_mask(seqs, rows.tolist(), mask)
-            graphs.run(logits, rows, mask.bitmask, temperature[rows], seeds[rows], drawn)
+            graphs.run(rows, mask.bitmask, temperature[rows], seeds[rows])
             return drawn
         words = grammar_words(seqs, rows.tolist(), mask, device)
         if drawn is None:

@@ -6,15 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSequence
 from engine.core.config import EngineConfig
 from engine.worker.cuda_graphs import (MIN_MIXED_TOKENS, DecodeGraphs, DecodeStager, GraphPlan,
-                                       MixedGraphs, MixedStager, capture_sizes,
-                                       decode_meta_layout, mixed_capture_sizes, mixed_meta_layout)
+                                       MaskedDrawGraphs, MixedGraphs, MixedStager, StepOutputs,
+                                       capture_sizes, decode_meta_layout, mixed_capture_sizes,
+                                       mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 from engine.worker.inputs import prepare_host_inputs
-from eager_graphs import replay_eagerly
+from engine.worker.layers import masked_sample
+from eager_graphs import replay_eagerly, replay_masked_draw_eagerly
 from fakes import ScriptedProposer, drafts_at_rate
 
 
@@ -138,10 +140,15 @@ PLAIN = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True),
          SamplingParams(temperature=1.3, seed=11, max_tokens=20, ignore_eos=True)]
 # one top-k row sends every step of its batch through the torch sampler
 FILTERED = PLAIN + [SamplingParams(top_k=5, max_tokens=20, ignore_eos=True)]
+# a structured-output row (a regex that never completes): drawn again under its grammar mask
+STRUCTURED = PLAIN + [SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True,
+                                     structured_outputs=StructuredOutputsParams(
+                                         regex="[a-z ]{200}"))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [GREEDY, PLAIN, FILTERED], ids=["greedy", "plain", "top-k"])
+@pytest.mark.parametrize("params", [GREEDY, PLAIN, FILTERED, STRUCTURED],
+                         ids=["greedy", "plain", "top-k", "structured"])
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                                                   async_scheduling, params):
@@ -149,28 +156,36 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
     token-source gather that fills placeholders, decode steps continuing the last one by
     row index (ModelRunner._launch_plain_decode), each row's draw temperature and seed, and
     for steps with prompt chunks the padded tokens and sequences) give the eager path's
-    tokens. Graphs are replaced by eager replays, so this runs without CUDA. A 24-token
-    budget splits prompts into chunks that share steps with decodes."""
+    tokens, and so do structured-output rows drawn again in the graphs' StepOutputs
+    (MaskedDrawGraphs). Graphs are replaced by eager replays, so this runs without CUDA. A
+    24-token budget splits prompts into chunks that share steps with decodes."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
     rng = random.Random(3)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 40))] for _ in range(7)]
-    filtered = params is FILTERED
+    filtered, structured = params is FILTERED, params is STRUCTURED
     params = [params[i % len(params)] for i in range(len(prompts))]
-    results = []
+    results, masked_draws = [], []
     for with_graphs in (False, True):
         llm = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_num_seqs=4,
                   max_num_batched_tokens=24, num_kv_blocks=128, block_size=8,
                   attention_backend="torch", async_scheduling=async_scheduling)
         runner = llm.engine.runner
         if with_graphs:
-            decode = DecodeGraphs(runner.model, runner.kv_caches, capture_sizes(4),
-                                  runner.max_blocks_per_seq, runner.block_size, 1024,
-                                  torch.device("cpu"))
-            mixed = MixedGraphs(runner.model, runner.kv_caches, mixed_capture_sizes(24), 4,
-                                runner.max_blocks_per_seq, 1024, torch.device("cpu"))
+            cpu, model = torch.device("cpu"), runner.model
+            step = StepOutputs(4, model.config.padded_vocab_size, model.config.vocab_size,
+                               torch.float32, cpu)
+            decode = DecodeGraphs(model, runner.kv_caches, capture_sizes(4),
+                                  runner.max_blocks_per_seq, runner.block_size, 1024, cpu,
+                                  step_outputs=step)
+            mixed = MixedGraphs(model, runner.kv_caches, mixed_capture_sizes(24), 4,
+                                runner.max_blocks_per_seq, 1024, cpu, step_outputs=step)
             replay_eagerly(decode)
             replay_eagerly(mixed)
             runner.decode_graphs, runner.mixed_graphs = decode, mixed
+            runner.sampler.masked_graphs = MaskedDrawGraphs(
+                lambda *args: masked_draws.append(args[1].shape[0]) or masked_sample(*args),
+                step, -(-model.config.vocab_size // 32), 4, cpu)
+            replay_masked_draw_eagerly(runner.sampler.masked_graphs)
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if with_graphs:
             assert decode.steps_staged > 20  # decode steps went through the staging
@@ -179,8 +194,10 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
             # a top-k row, only once it has finished); no placeholders without async
             if not async_scheduling:
                 assert decode.steps_continued == 0
-            elif not filtered:
+            elif not (filtered or structured):
                 assert decode.steps_continued > 10
+            # every step with a constrained row drew it again in the graphs' outputs
+            assert (len(masked_draws) > 20) == structured
     assert results[0] == results[1]
 
 

@@ -86,3 +86,17 @@ def test_the_child_exits_when_closed():
     for pid in grammars.pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_closing_kills_a_child_that_does_not_exit(monkeypatch):
+    """A child stopped before it reads its socket (as one still importing xgrammar would be)
+    is killed after CHILD_EXIT_WAIT, so closing never hangs on it, nor leaves the unpinning
+    it does first undone."""
+    import engine.structured.process as process_module
+
+    monkeypatch.setattr(process_module, "CHILD_EXIT_WAIT", 0.2)
+    grammars = GrammarProcess(max_rows=1)
+    os.kill(grammars.pids[0], signal.SIGSTOP)
+    grammars.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(grammars.pids[0], 0)

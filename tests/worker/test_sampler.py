@@ -268,34 +268,53 @@ def test_the_masked_draw_takes_only_allowed_tokens(graph_drew, constrained):
             sampler(logits, seqs, draw_inputs, drawn, wrong)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("count", [1, 3, 8, 13])
-def test_the_masked_draw_graphs_draw_what_the_kernel_draws(count):
-    from engine.worker.cuda_graphs import MaskedDrawGraphs
-    from kernels.sampling import masked_row_sample
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_the_masked_draw_graphs_redraw_the_step_rows_in_place(device, monkeypatch):
+    """Over a step's StepOutputs, the graphs draw what the masked draw op draws for the
+    constrained rows, and leave every other row of the step alone, as the row count shrinks
+    and grows (the rows past it, whatever the staging held, draw into the spare row). On CPU
+    the graphs are eager replays of the torch reference; on CUDA captured graphs of the
+    kernel."""
+    from eager_graphs import replay_masked_draw_eagerly
+    from engine.worker.cuda_graphs import MaskedDrawGraphs, StepOutputs
 
-    device, vocab, batch = torch.device("cuda"), 1000, 16
+    device, vocab, batch = torch.device(device), 1000, 16
+    if device.type == "cuda":
+        from kernels.sampling import masked_row_sample as masked_draw
+    else:
+        masked_draw = layers.masked_sample
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
     words = -(-vocab // 32)
-    graphs = MaskedDrawGraphs(masked_row_sample, vocab, words, torch.float16, batch, device)
-    graphs.capture()
-    rng = np.random.default_rng(count)
-    for _ in range(3):  # the staging and the padding rows are reused from step to step
+    step = StepOutputs(batch, 1024, vocab, torch.float16, device)
+    graphs = MaskedDrawGraphs(masked_draw, step, words, batch, device)
+    if device.type == "cuda":
+        graphs.capture()
+    else:
+        replay_masked_draw_eagerly(graphs)
+    rng = np.random.default_rng(0)
+    for count in (8, 3, 13, 1, 5):
         logits = torch.randn(batch, vocab, device=device).half()
+        step.logits[:batch, :vocab] = logits
+        step.drawn[:batch] = torch.arange(100, 100 + batch)
         rows = np.sort(rng.choice(batch, count, replace=False)).astype(np.int64)
         bits = rng.random((count, words * 32)) < 0.1
         bitmask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
         temperature = rng.choice([0.0, 0.7, 1.0], count).astype(np.float32)
         seeds = rng.integers(0, 2**62, count)
-        drawn = torch.full((batch,), -1, dtype=torch.int64, device=device)
-        expected = drawn.clone()
-        masked_row_sample(logits, torch.from_numpy(rows).to(device),
-                          torch.from_numpy(bitmask).to(device),
-                          torch.from_numpy(temperature).to(device),
-                          torch.from_numpy(seeds).to(device), expected)
-        graphs.run(logits, rows, bitmask, temperature, seeds, drawn)
-        assert torch.equal(drawn, expected)
-        assert (drawn[rows] >= 0).all() and bits[np.arange(count), drawn[rows].cpu()].all()
+        expected = step.drawn[:batch].clone()
+        masked_draw(logits, torch.from_numpy(rows).to(device),
+                    torch.from_numpy(bitmask).to(device), torch.from_numpy(temperature).to(device),
+                    torch.from_numpy(seeds).to(device), expected)
+        assert graphs.takes(step.logits[:batch, :vocab], step.drawn[:batch], count)
+        graphs.run(rows, bitmask, temperature, seeds)
+        drawn = step.drawn[:batch].cpu()
+        assert torch.equal(drawn, expected.cpu())
+        assert bits[np.arange(count), drawn[rows]].all()
+        others = np.setdiff1d(np.arange(batch), rows)
+        assert drawn[others].tolist() == (100 + others).tolist()
+    assert not graphs.takes(logits, step.drawn[:batch], 1)  # logits of its own: not a step's
+    assert not graphs.takes(step.logits[:batch, :vocab], step.drawn[:batch], batch + 1)
 
 
 def test_plain_draws_asking_for_logprobs_keep_the_graphs_draw():

@@ -170,3 +170,18 @@ def test_the_sampler_masks_exactly_the_disallowed_tokens():
     assert torch.equal(masked[1], logits[1])
     with pytest.raises(ValueError, match="does not match"):
         apply_grammar_mask(logits.clone(), seqs, GrammarMask(["b", "a"], bitmask))
+
+
+def test_preempted_rows_tokens_never_reach_their_grammar(tiny_checkpoint):
+    """Async scheduling in a cache too small for every request: a preempted request's token
+    still in flight is dropped, so its grammar must not take it (the grammars take a step's
+    tokens before the step's update). Every output still matches its regex, whose length a
+    matcher that took an extra token would cut short."""
+    llm = make_llm(tiny_checkpoint, async_scheduling=True, num_kv_blocks=32, block_size=4,
+                   max_num_seqs=16)
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=12,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]{40}"))
+    outs = llm.generate(PROMPTS * 3, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        assert re.fullmatch("[a-z]{40}", out.outputs[0].text), out.outputs[0].text

@@ -1,8 +1,9 @@
 """CUDA graphs for whole steps (forward, logits, each row's draw), one per padded size at
 GraphPlan's sizes (plan.py): `DecodeGraphs` per batch size, `MixedGraphs` (steps with prompt
-tokens) per token count; both share one memory pool. `MaskedDrawGraphs` (masked_draw.py)
-replay the masked draw of a step's structured-output rows, `LogprobGraphs`
-(logprob_graphs.py) the logprobs of its rows that ask for them.
+tokens) per token count; both share one memory pool and write their logits and draws into
+one `StepOutputs`. `MaskedDrawGraphs` (masked_draw.py) replay the masked draw of a step's
+structured-output rows there, `LogprobGraphs` (logprob_graphs.py) the logprobs of its rows
+that ask for them.
 
 Each set reads two packed device buffers (buffers.py), copied from pinned memory each step:
 
@@ -13,6 +14,7 @@ Each set reads two packed device buffers (buffers.py), copied from pinned memory
 token_source indexes prev_tokens | token_ids: a placeholder's sampled token, or a known token.
 """
 from engine.worker.cuda_graphs.decode import DecodeGraphs, DecodeStager, decode_meta_layout
+from engine.worker.cuda_graphs.graph_set import StepOutputs
 from engine.worker.cuda_graphs.logprob_graphs import LogprobGraphs
 from engine.worker.cuda_graphs.masked_draw import MaskedDrawGraphs
 from engine.worker.cuda_graphs.mixed import MixedGraphs, MixedStager, mixed_meta_layout
@@ -20,5 +22,5 @@ from engine.worker.cuda_graphs.plan import (MIN_MIXED_TOKENS, GraphPlan, capture
                                             mixed_capture_sizes)
 
 __all__ = ["MIN_MIXED_TOKENS", "DecodeGraphs", "DecodeStager", "GraphPlan", "LogprobGraphs",
-           "MaskedDrawGraphs", "MixedGraphs", "MixedStager", "capture_sizes", "decode_meta_layout",
-           "mixed_capture_sizes", "mixed_meta_layout"]
+           "MaskedDrawGraphs", "MixedGraphs", "MixedStager", "StepOutputs", "capture_sizes",
+           "decode_meta_layout", "mixed_capture_sizes", "mixed_meta_layout"]

@@ -19,7 +19,7 @@ import torch
 from engine.core.batch import ScheduledSequence
 from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout, stage_draw_inputs
-from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, MakeStager
+from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, MakeStager, StepOutputs
 from engine.worker.sampler import DrawInputs
 
 PADDING_ROW = (0,)  # a padding row attends to position 0 of block 0 (the cache is zeroed)
@@ -36,9 +36,9 @@ class OneTokenGraphs(GraphSet):
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: tuple[int, ...],
                  max_model_len: int, device: torch.device,
                  meta_layout: Callable[[int], BufferLayout], make_stager: MakeStager,
-                 follower: Follower | None = None):
+                 follower: Follower | None = None, step_outputs: StepOutputs | None = None):
         super().__init__(model, kv_caches, sizes, meta_layout(sizes[-1]), device, make_stager,
-                         follower)
+                         follower, step_outputs)
         self.max_model_len = max_model_len
         self.query_start_loc = torch.arange(sizes[-1] + 1, dtype=torch.int32, device=device)
 
@@ -61,10 +61,12 @@ class OneTokenGraphs(GraphSet):
 class DecodeGraphs(OneTokenGraphs):
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: tuple[int, ...],
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
-                 device: torch.device, follower: Follower | None = None):
+                 device: torch.device, follower: Follower | None = None,
+                 step_outputs: StepOutputs | None = None):
         super().__init__(model, kv_caches, sizes, max_model_len, device,
                          lambda rows: decode_meta_layout(rows, max_blocks_per_seq),
-                         lambda tokens, meta: DecodeStager(tokens, meta, block_size), follower)
+                         lambda tokens, meta: DecodeStager(tokens, meta, block_size), follower,
+                         step_outputs)
         first, second = (staging.stager for staging in self._staging)
         first.peer, second.peer = second, first  # the mirrors take turns: one holds the last step
         self.steps_continued = 0  # steps staged by DecodeStager.write_continued

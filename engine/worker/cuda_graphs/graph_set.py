@@ -23,13 +23,16 @@ class GraphSet:
     take turns (step N's copies may still be queued while N+1 is staged), each guarded by an
     event. A subclass defines attention_meta(size) and forward(size), what its graph records;
     the result stays in `outputs[size]` until that size's next replay. A `follower` gets its
-    own graph per size over the same inputs, replayed after the model's unless told not to."""
+    own graph per size over the same inputs, replayed after the model's unless told not to.
+    With `step_outputs`, every size writes its logits and draws there rather than into
+    buffers of its own."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: list[int],
                  meta_layout: BufferLayout, device: torch.device, make_stager: MakeStager,
-                 follower: Follower | None = None):
+                 follower: Follower | None = None, step_outputs: StepOutputs | None = None):
         self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
         self.follower = follower
+        self.step_outputs = step_outputs
         self.token_layout, self.meta_layout = token_layout(sizes[-1]), meta_layout
         self._ids64 = torch.zeros(self.token_layout.size, dtype=torch.int64, device=device)
         self._ids32 = torch.zeros(meta_layout.size, dtype=torch.int32, device=device)
@@ -64,10 +67,11 @@ class GraphSet:
     def _logits_and_draws(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draw reads the model-dtype logits (widened exactly in the kernel): no float32
         copy of every row in the graph."""
-        logits = self.model.lm_head(hidden)
-        rows = logits.shape[0]
+        rows, shared = hidden.shape[0], self.step_outputs
+        logits = self.model.lm_head(hidden, None if shared is None else shared.logits[:rows])
         return logits, self.model.ops.sample(logits, self.tokens.draw_temperature[:rows],
-                                             self.tokens.draw_seeds[:rows])
+                                             self.tokens.draw_seeds[:rows],
+                                             out=None if shared is None else shared.drawn[:rows])
 
     @torch.inference_mode()
     def capture(self, pool=None):
@@ -112,6 +116,27 @@ class GraphSet:
         used = self.meta_layout.end("block_tables", meta_rows)
         self._ids32[:used].copy_(staging.ids32[:used], non_blocking=True)
         staging.mark_copied()
+
+
+class StepOutputs:
+    """Logits [rows + 1, padded vocab] and draws [rows + 1] that the decode and mixed-step
+    graphs all write, rows 0.. of each replay: one step's outputs at a time, for its rows are
+    sampled (structured outputs' late draw included) before the next step launches. The
+    masked draw's graphs (masked_draw.py) read and rewrite a step's rows in place there; row
+    `spare_row` is never a step's, their padding rows draw into it. One buffer instead of one
+    per graph size."""
+
+    def __init__(self, rows: int, padded_vocab: int, vocab: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.logits = torch.zeros(rows + 1, padded_vocab, dtype=dtype, device=device)
+        self.drawn = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+        self.vocab = vocab
+        self.spare_row = rows
+
+    def holds(self, logits: torch.Tensor, drawn: torch.Tensor) -> bool:
+        """Whether these are a step's rows here (what a graph set's run returned)."""
+        return (logits.data_ptr() == self.logits.data_ptr()
+                and drawn.data_ptr() == self.drawn.data_ptr())
 
 
 def capture_graph(record: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object, object]:

@@ -22,7 +22,7 @@ import torch
 
 from engine.worker.attention import AttentionMetadata
 from engine.worker.cuda_graphs.buffers import BufferLayout, stage_draw_inputs
-from engine.worker.cuda_graphs.graph_set import Follower, GraphSet
+from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, StepOutputs
 from engine.worker.inputs import HostInputs
 from engine.worker.sampler import DrawInputs
 
@@ -41,13 +41,13 @@ class MixedGraphs(GraphSet):
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: tuple[int, ...],
                  max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int,
                  device: torch.device, max_sample_rows: int | None = None,
-                 follower: Follower | None = None):
+                 follower: Follower | None = None, step_outputs: StepOutputs | None = None):
         """sizes: token counts, ascending; max_sample_rows: logits rows a step may sample
         (max_num_seqs, or max_num_seqs (k + 1) with drafts)."""
         max_sample_rows = max_sample_rows or max_num_seqs
         super().__init__(model, kv_caches, sizes,
                          mixed_meta_layout(max_num_seqs, max_blocks_per_seq, max_sample_rows),
-                         device, MixedStager, follower)
+                         device, MixedStager, follower, step_outputs)
         self.max_seqs = max_num_seqs
         self.max_sample_rows = max_sample_rows
         self.max_model_len = max_model_len

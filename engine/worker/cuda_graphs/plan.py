@@ -57,8 +57,6 @@ class GraphPlan:
                        *self.mixed_sizes})
 
     def logits_rows(self) -> int:
-        """Logits rows the captured graphs keep between replays, all sizes together, and the
-        static rows of the masked draw's and the logprobs' graphs."""
-        return (sum(self.decode_sizes) + sum(min(s, self.max_sample_rows)
-                                             for s in self.mixed_sizes)
-                + 2 * power_of_two_sizes(self.decode_sizes[-1])[-1])
+        """Logits rows the captured graphs keep between replays: the StepOutputs that every
+        size writes (with its spare row) and the logprobs' graphs' static rows."""
+        return self.max_sample_rows + 1 + power_of_two_sizes(self.decode_sizes[-1])[-1]

@@ -174,10 +174,15 @@ class GPT2(nn.Module):
         ln_f = self.ln_f
         return self.ops.add_layer_norm(hidden, residual, ln_f.weight, ln_f.bias, ln_f.eps)[0]
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def lm_head(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, n_embd] -> logits [N, vocab] in the model's dtype through the tied embedding:
-        a view that drops the padding columns, its rows still aligned."""
-        return F.linear(hidden, self.wte.weight)[:, :self.config.vocab_size]
+        a view that drops the padding columns, its rows still aligned. `out`: [N,
+        padded_vocab_size] to write them into (a graph's static buffer)."""
+        if out is None:
+            out = F.linear(hidden, self.wte.weight)
+        else:
+            torch.mm(hidden, self.wte.weight.t(), out=out)
+        return out[:, :self.config.vocab_size]
 
 
 def find_checkpoint(model: str) -> tuple[Path, GPT2Config]:
