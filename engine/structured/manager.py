@@ -42,6 +42,10 @@ class StructuredOutputs:
 
     def submit(self, seq_id: str, spec: StructuredOutputsParams) -> None:
         """Start compiling `spec` (or share its cached compile) for the sequence."""
+        self._compiling[seq_id] = self.precompile(spec)
+
+    def precompile(self, spec: StructuredOutputsParams) -> Future:
+        """Start compiling `spec` into the cache, unless it is there; its compile."""
         future = self._compiled.get(spec.key)
         if future is None:
             future = self._executor.submit(_compile, spec)
@@ -51,7 +55,7 @@ class StructuredOutputs:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(spec.key)
-        self._compiling[seq_id] = future
+        return future
 
     def take_compiled(self, timeout: float = 0.0) -> list[tuple[str, str | None]]:
         """Sequences whose grammar is done (waiting up to `timeout` for the first): (seq id,

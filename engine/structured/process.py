@@ -5,6 +5,7 @@ split a large mask between them (each sequence's matcher lives in one child).
 
     core                                        children (`main`, fresh interpreters)
     submit / advance / release   ── message ─▶  the same calls on the owner's StructuredOutputs
+    (a spec's first submit)      ── message ─▶  every other child compiles it too (precompile)
     request_mask(rows)           ── message ─▶  each owner fills its rows of the shared bitmask
     ... schedule the next step ...
     take_mask()                  ◀── replies ─  the sequences completed since the last one
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import weakref
+from collections import OrderedDict
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -31,7 +33,8 @@ import numpy as np
 from engine.core.batch import GrammarMask
 from engine.core.request import StructuredOutputsParams
 from engine.structured.grammar import compiler
-from engine.structured.manager import ALL_ALLOWED, MASK_WORDS, StructuredOutputs
+from engine.structured.manager import (ALL_ALLOWED, MASK_WORDS, MAX_CACHED_GRAMMARS,
+                                      StructuredOutputs)
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `engine` package
@@ -106,10 +109,13 @@ class GrammarProcess:
         self._compiling: dict[str, _Child] = {}
         self._rows: list[str] = []
         self._asked: list[_Child] = []  # the children filling the requested mask
+        self._specs_seen: OrderedDict[tuple, None] = OrderedDict()  # as the children's caches
 
     def submit(self, seq_id: str, spec: StructuredOutputsParams) -> None:
         """To the first child holding fewer than `seqs_per_child` sequences (else the least
-        loaded): a small mask asks one child, a large one all of them."""
+        loaded): a small mask asks one child, a large one all of them. Each child caches its
+        own compiles: a spec new here starts compiling in every child at once, so that the
+        sequences after the first that share it find it compiled wherever they land."""
         def load(c: _Child) -> tuple[bool, int]:
             full = c.num_seqs >= self._seqs_per_child
             return full, c.num_seqs if full else 0
@@ -118,6 +124,15 @@ class GrammarProcess:
         child.num_seqs += 1
         self._owner[seq_id] = self._compiling[seq_id] = child
         child.send(("submit", seq_id, spec))
+        if spec.key in self._specs_seen:
+            self._specs_seen.move_to_end(spec.key)
+            return
+        self._specs_seen[spec.key] = None
+        if len(self._specs_seen) > MAX_CACHED_GRAMMARS:
+            self._specs_seen.popitem(last=False)
+        for other in self._children:
+            if other is not child:
+                other.send(("precompile", spec))
 
     def take_compiled(self, timeout: float = 0.0) -> list[tuple[str, str | None]]:
         """Every child with compiles under way answers; only the first waits up to
@@ -223,6 +238,8 @@ def _handle(conn: Connection, grammars: StructuredOutputs, message: tuple) -> No
     try:
         if kind == "submit":
             grammars.submit(*args)
+        elif kind == "precompile":
+            grammars.precompile(*args)
         elif kind == "advance":
             grammars.advance(*args)
         elif kind == "release":

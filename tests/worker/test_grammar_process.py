@@ -100,3 +100,28 @@ def test_closing_kills_a_child_that_does_not_exit(monkeypatch):
     grammars.close()
     with pytest.raises(ProcessLookupError):
         os.kill(grammars.pids[0], 0)
+
+
+def test_a_new_spec_compiles_in_every_child_at_once(monkeypatch):
+    """The first sequence of a spec goes to one child and every other child starts compiling
+    it too; later sequences of that spec send no more compiles, wherever they land."""
+    grammars = GrammarProcess(max_rows=2, num_children=2, seqs_per_child=1)
+    sent = {id(child): [] for child in grammars._children}
+    for child in grammars._children:
+        send = child.send
+        monkeypatch.setattr(child, "send", lambda message, log=sent[id(child)], send=send: (
+            log.append(message[0]), send(message))[-1])
+    first, second = (sent[id(child)] for child in grammars._children)
+    grammars.submit("a", SPECS["regex"])
+    assert (first, second) == (["submit"], ["precompile"])
+    grammars.submit("b", SPECS["regex"])
+    assert (first, second) == (["submit"], ["precompile", "submit"])
+    assert compiled(grammars, 2) == [("a", None), ("b", None)]
+    grammars.close()
+
+
+def test_a_precompiled_spec_is_not_compiled_again():
+    grammars = StructuredOutputs(max_rows=1)
+    grammars.precompile(SPECS["choice"])
+    grammars.submit("a", SPECS["choice"])
+    assert grammars.num_compiles == 1 and compiled(grammars, 1) == [("a", None)]
