@@ -29,7 +29,7 @@ from engine.worker.kv_sizing import kv_block_bytes
 from engine.worker.models.gpt2 import GPT2Config, KVCache, load_gpt2
 from engine.worker.prompt_logprobs import PromptLogprobsOutput, compute_prompt_logprobs
 from engine.worker.quantization import quantize_linears
-from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput, is_plain_draw
+from engine.worker.sampler import DrawInputs, Sampler, SamplerOutput, is_plain_but_masked
 from engine.worker.speculation import NO_SPECULATION, Speculation, StepPlan
 from engine.worker.startup import StartupCache, StartupPhases, default_cache_dir
 
@@ -160,7 +160,7 @@ class ModelRunner:
                                                        kv_caches, plan)
         self._last_step = LaunchedStep(out.step_id, None)
         self._plain_decode = None
-        if decode and is_plain_draw(to_sample):
+        if decode and is_plain_but_masked(to_sample):
             self._plain_decode = PlainDecode.of(out.step_id, to_sample, draw_inputs)
         pending = PendingStep([s.request_id for s in to_sample], None,
                               prompt_logprobs=prompt_logprobs)
@@ -179,28 +179,48 @@ class ModelRunner:
 
     def _continues_plain_decode(self, out: SchedulerOutput, sources: list[int]) -> bool:
         """Every row of `out` is a placeholder continuing a row of the decode step launched
-        just before, whose rows were all plain draws (so are these: a row's parameters stay,
-        its min_tokens only run out), and nothing else runs beside the graph."""
+        just before, whose rows were all plain draws but for grammar masks (so are these: a
+        row's parameters stay, its min_tokens only run out), and nothing else runs beside
+        the graph."""
         last = self._plain_decode
         return (last is not None and last.step_id == out.step_id - 1 and bool(sources)
                 and min(sources) >= 0 and len(sources) <= self.decode_graphs.max_batch
                 and self.speculation is NO_SPECULATION and not out.has_prompt_logprobs)
 
     def _launch_plain_decode(self, out: SchedulerOutput, sources: list[int]) -> PendingStep:
-        """launch_on for a step that _continues_plain_decode: its draw inputs and staging come
-        from the last step's rows by index (Sampler.continued_draw_inputs,
-        DecodeStager.write_continued) and its tokens are the graph's own draws."""
+        """launch_on for a step that _continues_plain_decode: its draw inputs, staging and
+        constrained rows come from the last step's rows by index
+        (Sampler.continued_draw_inputs, DecodeStager.write_continued) and its tokens are the
+        graph's own draws, the constrained rows drawn again once their mask is given."""
         seqs, last = out.sequences, self._plain_decode
         src = np.array(sources, dtype=np.int64)
         draw_inputs, seeded = self.sampler.continued_draw_inputs(seqs, src, last.temperature,
                                                                   last.seeded)
         logits, drawn = self.decode_graphs.run(seqs, sources, self._prev_sampled(out, sources),
                                                draw_inputs, continued=src)
-        self._plain_decode = PlainDecode(out.step_id, draw_inputs[0], seeded)
-        sampled = SamplerOutput(drawn, [], [])
-        sampled.begin_host_copy()
+        constrained = last.constrained[src]
+        self._plain_decode = PlainDecode(out.step_id, draw_inputs[0], seeded, constrained)
+        pending = PendingStep([s.request_id for s in seqs], None)
+        if constrained.any():
+            self._last_step = LaunchedStep(out.step_id, None)
+            pending.sample_with = functools.partial(
+                self._sample_masked_rows, out.step_id, seqs, np.flatnonzero(constrained),
+                logits, draw_inputs, drawn)
+            return pending
+        pending.sampled = SamplerOutput(drawn, [], [])
+        pending.sampled.begin_host_copy()
         self._last_step = LaunchedStep(out.step_id, drawn)
-        return PendingStep([s.request_id for s in seqs], sampled)
+        return pending
+
+    @torch.inference_mode()  # a deferred sample runs after launch_on has returned
+    def _sample_masked_rows(self, step_id: int, seqs: list[ScheduledSequence], rows: np.ndarray,
+                            logits: torch.Tensor, draw_inputs: DrawInputs, drawn: torch.Tensor,
+                            mask: GrammarMask | None) -> SamplerOutput:
+        """_sample for a continued step: the graph's draws, `rows` drawn again under `mask`."""
+        sampled = self.sampler.masked_draw_rows(logits, seqs, rows, draw_inputs, drawn, mask)
+        sampled.begin_host_copy()
+        self._last_step = LaunchedStep(step_id, sampled.token_ids)
+        return sampled
 
     @torch.inference_mode()  # a deferred sample runs after launch_on has returned
     def _sample(self, step_id: int, logits: torch.Tensor, plan: StepPlan,
@@ -269,18 +289,22 @@ class ModelRunner:
 
 @dataclass(frozen=True)
 class PlainDecode:
-    """A launched decode step whose rows were all plain draws (sampler.is_plain_draw), by
-    sample row: each one's temperature, and whether its request is seeded. What the next
-    step's placeholder rows continue (ModelRunner._launch_plain_decode)."""
+    """A launched decode step whose rows were all plain draws but for grammar masks
+    (sampler.is_plain_but_masked), by sample row: each one's temperature, whether its
+    request is seeded, whether it has structured outputs. What the next step's placeholder
+    rows continue (ModelRunner._launch_plain_decode)."""
     step_id: int
     temperature: np.ndarray  # float32 [rows]
     seeded: np.ndarray  # bool [rows]
+    constrained: np.ndarray  # bool [rows]
 
     @classmethod
     def of(cls, step_id: int, rows: list[ScheduledSequence], draw_inputs: DrawInputs
            ) -> PlainDecode:
         return cls(step_id, draw_inputs[0],
-                   np.array([s.params.seed is not None for s in rows], dtype=bool))
+                   np.array([s.params.seed is not None for s in rows], dtype=bool),
+                   np.array([s.params.structured_outputs is not None for s in rows],
+                            dtype=bool))
 
 
 @dataclass(frozen=True)

@@ -172,8 +172,9 @@ class Sampler:
                                   upload(seeds, torch.int64, logits.device))
             return SamplerOutput(drawn, [], [])
         if is_plain_but_masked(seqs):
-            return SamplerOutput(self._masked_draw(logits, seqs, temperature, seeds, drawn, mask),
-                                 [], [])
+            rows = np.array([i for i, s in enumerate(seqs)
+                             if s.params.structured_outputs is not None], dtype=np.int64)
+            return self.masked_draw_rows(logits, seqs, rows, (temperature, seeds), drawn, mask)
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         num_top = [seqs[i].params.logprobs for i in logprob_rows]
         if is_plain_but_logprobs(seqs) and drawn is not None:  # the graph's draw stands
@@ -213,21 +214,22 @@ class Sampler:
                                                                  max(out.num_top))
         return out
 
-    def _masked_draw(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
-                     temperature: np.ndarray, seeds: np.ndarray, drawn: torch.Tensor | None,
-                     mask: GrammarMask | None) -> torch.Tensor:
-        """Plain draws for every row (the graph's, if it made them; none when every row is
-        constrained), then one masked draw of the constrained rows over their bitmask, in
-        place: replayed (MaskedDrawGraphs) where a graph wrote the step's StepOutputs, else
-        three uploads (rows and seeds, temperatures, the bitmask) and one launch."""
+    def masked_draw_rows(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
+                         rows: np.ndarray, draw_inputs: DrawInputs, drawn: torch.Tensor | None,
+                         mask: GrammarMask | None) -> SamplerOutput:
+        """__call__ for rows that are all plain draws but for the grammar masks of `rows`
+        (int64, ascending: the constrained ones): plain draws for every row (the graph's, if
+        it made them; none when every row is constrained), then one masked draw of `rows`
+        over their bitmask, in place: replayed (MaskedDrawGraphs) where a graph wrote the
+        step's StepOutputs, else three uploads (rows and seeds, temperatures, the bitmask)
+        and one launch."""
+        temperature, seeds = draw_inputs
         device = logits.device
-        rows = np.array([i for i, s in enumerate(seqs) if s.params.structured_outputs is not None],
-                        dtype=np.int64)
         graphs = self.masked_graphs
         if graphs is not None and drawn is not None and graphs.takes(logits, drawn, len(rows)):
             check_mask(seqs, rows.tolist(), mask)
             graphs.run(rows, mask.bitmask, temperature[rows], seeds[rows])
-            return drawn
+            return SamplerOutput(drawn, [], [])
         words = grammar_words(seqs, rows.tolist(), mask, device)
         if drawn is None:
             drawn = (self.draw(logits, upload(temperature, torch.float32, device),
@@ -236,7 +238,7 @@ class Sampler:
         rows_seeds = upload(np.stack([rows, seeds[rows]]), torch.int64, device)
         self.masked_draw(logits, rows_seeds[0], words,
                          upload(temperature[rows], torch.float32, device), rows_seeds[1], drawn)
-        return drawn
+        return SamplerOutput(drawn, [], [])
 
 
 def _copy_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -157,7 +157,7 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
     row index (ModelRunner._launch_plain_decode), each row's draw temperature and seed, and
     for steps with prompt chunks the padded tokens and sequences) give the eager path's
     tokens, and so do structured-output rows drawn again in the graphs' StepOutputs
-    (MaskedDrawGraphs). Graphs are replaced by eager replays, so this runs without CUDA. A
+    (MaskedDrawGraphs), in continued steps too. Graphs are replaced by eager replays, so this runs without CUDA. A
     24-token budget splits prompts into chunks that share steps with decodes."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
     rng = random.Random(3)
@@ -194,7 +194,7 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
             # a top-k row, only once it has finished); no placeholders without async
             if not async_scheduling:
                 assert decode.steps_continued == 0
-            elif not (filtered or structured):
+            elif not filtered:  # structured-output rows continue too, drawn again
                 assert decode.steps_continued > 10
             # every step with a constrained row drew it again in the graphs' outputs
             assert (len(masked_draws) > 20) == structured
