@@ -224,8 +224,10 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
 
     @app.post("/tokenize", openapi_extra=request_body_schema(
         RootModel[TokenizeRequest | TokenizeChatRequest]))
-    async def tokenize(request: Request) -> dict[str, Any]:
-        """A `prompt`'s tokens, or with `messages` instead the chat prompt's, as vLLM's."""
+    async def tokenize(request: Request) -> Response:
+        """A `prompt`'s tokens, or with `messages` instead the chat prompt's, as vLLM's.
+        Encoded by msgspec: FastAPI's encoder walks a list element by element, ~180 ms of
+        the event loop for a 1 MiB prompt's tokens, where msgspec takes ~2."""
         body = await read_json_body(request, settings)
         if isinstance(body, dict) and "messages" in body:
             tokens = await chat.tokenize(body)
@@ -233,7 +235,9 @@ def _add_routes(app: FastAPI, service: CompletionService, metrics: ServerMetrics
             req = parse_model(TokenizeRequest, body)
             service.check_model(req.model)
             tokens = (await service.encode_prompts([req.prompt]))[0]
-        return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens}
+        return Response(msgspec.json.encode({"count": len(tokens), "max_model_len":
+                                             limits.max_model_len, "tokens": tokens}),
+                        media_type="application/json")
 
     @app.post("/detokenize", openapi_extra=request_body_schema(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:

@@ -87,10 +87,10 @@ def timed(work, *args) -> float:
 
 def test_health_stays_fast_while_50_maximal_prompts_are_tokenized(server):
     """Tokenizing on the event loop would hold each probe for about a whole tokenization (the
-    loop busy with one prompt after another); off the loop a probe waits far less. The bar is
-    relative to one maximal request timed alone here, so a loaded CI machine moves both, and
-    at least 100 ms: on the loop the probes' median was 267 ms on the 2-core VM (and few
-    probes ran at all), off it 15 ms idle and up to 57 ms on a busy CI runner."""
+    loop busy with one prompt after another); off the loop a probe waits far less. So would
+    encoding each answer's ~200k token ids with FastAPI's encoder (~180 ms of the loop a
+    response on the 2-core VM): CI once failed here with a 57 ms median. The bar is relative
+    to one maximal request timed alone here, so a loaded CI machine moves both."""
     words = b"lorem ipsum dolor sit amet, consectetur adipiscing elit "
     text = (words * (BODY_CAP // len(words)))[:BODY_CAP - 64]
     body = b'{"prompt": "' + text + b'"}'
@@ -106,7 +106,7 @@ def test_health_stays_fast_while_50_maximal_prompts_are_tokenized(server):
     for thread in load:
         thread.join()
     assert len(latencies) >= 10  # the probes ran while the prompts were being tokenized
-    bar = max(0.1, alone / 2)
+    bar = max(0.05, alone / 2)
     assert statistics.median(latencies) < bar, (alone, sorted(latencies)[-5:])
 
 
