@@ -2,9 +2,12 @@
 LLMEngine.step(), plus the number of kernels in the decode graph. --cprofile N adds the N
 functions with the most own time over the host phases' steps at the largest batch. --beam W
 times the steps of one beam search of width W instead (`batch` is then unused).
+--structured K puts K rows of each batch under a regex that never completes, and adds the
+structured-output phases: asking for the mask, waiting for it, the masked draw.
 
     python scripts/profile_decode.py --model gpt2 --batch 1,64,256 --cprofile 25
     python scripts/profile_decode.py --model gpt2 --beam 4 --cprofile 25
+    python scripts/profile_decode.py --model gpt2 --batch 64 --structured 8
 """
 from __future__ import annotations
 
@@ -21,9 +24,11 @@ from dataclasses import replace
 import torch
 from bench_utils import checkpoint_for
 
-from engine import LLM, LLMEngine, SamplingParams
+from engine import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from engine.beam_search import BeamSearchParams
 from kernels.timing import cuda_ms
+
+NEVER_COMPLETE = "[a-z ,.]{2000}"  # a regex no profiled request completes
 
 
 def replay_ms(runner, batch: int, repeats: int = 200) -> float:
@@ -40,25 +45,39 @@ def replay_ms(runner, batch: int, repeats: int = 200) -> float:
 
 def host_phases(engine: LLMEngine, batch: int, params: SamplingParams,
                 steps: int = 100, profile: cProfile.Profile | None = None,
-                beam_width: int = 0) -> dict:
+                beam_width: int = 0, structured: int = 0) -> dict:
     """Run `steps` decode steps of `batch` requests (128-token prompts, `params` without its
     max_tokens: none ends meanwhile) through LLMEngine.step(), timing the phases it calls
     (wait overlaps the device, and so does everything after launch while the next step runs).
-    `beam_width`: one beam search of that width instead of the requests."""
+    `beam_width`: one beam search of that width instead of the requests. `structured`: that
+    many of them under NEVER_COMPLETE, timing the grammars' calls and the masked draw too."""
     rng = random.Random(0)
     params = replace(params, max_tokens=steps + 20)
+    constrained = replace(params, structured_outputs=StructuredOutputsParams(
+        regex=NEVER_COMPLETE))
     if beam_width:
         batch = 1
         engine.add_beam_search("p-beam", [rng.randrange(50256) for _ in range(128)],
                                BeamSearchParams(beam_width, steps + 20, ignore_eos=True))
-    for i in range(0 if beam_width else batch):
-        engine.add_request(f"p{batch}-{i}", [rng.randrange(50256) for _ in range(128)], params)
-    while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:
+    running = engine.scheduler.running
+    for first, end, kind in ((0, structured, constrained), (structured, batch, params)):
+        for i in range(first, 0 if beam_width else end):
+            engine.add_request(f"p{batch}-{i}", [rng.randrange(50256) for _ in range(128)],
+                               kind)
+        while engine.has_unfinished_requests() and len(running) < structured:
+            engine.step()  # the constrained ones first, until their grammar has compiled
+    while (any(r.num_computed_tokens < r.num_tokens - 1 for r in running)
+           or engine.scheduler.waiting):
         engine.step()
-    timings = {name: [] for name in ("schedule", "launch", "wait", "update", "outputs")}
+    phases = ("schedule", "launch", "wait", "update", "outputs")
     timed = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "launch", "launch"),
              (engine.scheduler, "update", "update"), (engine.processor, "process", "outputs")]
+    if structured:
+        phases += ("mask_ask", "mask_wait", "masked_draw")
+        grammars = engine.core.grammars
+        timed += [(grammars, "request_mask", "mask_ask"), (grammars, "take_mask", "mask_wait"),
+                  (engine.runner.sampler, "masked_draw_rows", "masked_draw")]
+    timings = {name: [] for name in phases}
     originals = [getattr(obj, name) for obj, name, _ in timed]
     for (obj, name, phase), fn in zip(timed, originals):
         setattr(obj, name, _timed(fn, timings[phase]))
@@ -76,7 +95,7 @@ def host_phases(engine: LLMEngine, batch: int, params: SamplingParams,
         setattr(obj, name, fn)
     for i in range(batch):
         engine.abort("p-beam" if beam_width else f"p{batch}-{i}")
-    result = {k: round(statistics.median(v), 4) for k, v in timings.items()}
+    result = {k: round(statistics.median(v), 4) if v else None for k, v in timings.items()}
     return {**result, "step_total": round(statistics.median(totals), 4)}
 
 
@@ -91,11 +110,16 @@ def _timed(fn, sink: list):
 
 
 class _TimedWait:
+    """A pending step whose wait is timed; the rest (needs_mask, sample) passes through."""
+
     def __init__(self, pending, sink: list):
         self.pending, self.sink = pending, sink
 
     def wait(self):
         return _timed(self.pending.wait, self.sink)()
+
+    def __getattr__(self, name: str):
+        return getattr(self.pending, name)
 
 
 def graph_kernels(runner, batch: int) -> dict:
@@ -125,6 +149,7 @@ def main() -> None:
     parser.add_argument("--output-kind", default="stream", help="stream, delta or final_only")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument("--beam", type=int, default=0, metavar="W")
+    parser.add_argument("--structured", type=int, default=0, metavar="K")
     args = parser.parse_args()
     checkpoint = checkpoint_for(args.model)
     batches = [int(b) for b in args.batch.split(",")]
@@ -135,7 +160,8 @@ def main() -> None:
         phases = host_phases(llm.engine, 1, greedy, steps=60, beam_width=args.beam)
         print(args.model, f"beam {args.beam}", json.dumps(phases), flush=True)
     for batch in ([] if args.beam else batches):
-        phases = host_phases(llm.engine, batch, greedy)  # first: the graph replays its last step
+        # first: the graph replays its last step
+        phases = host_phases(llm.engine, batch, greedy, structured=min(args.structured, batch))
         result[f"b{batch}"] = {"graph_replay_ms": round(replay_ms(llm.engine.runner, batch), 4),
                                "graph_kernels": graph_kernels(llm.engine.runner, batch),
                                "host_phases_ms": phases}
@@ -144,7 +170,8 @@ def main() -> None:
     if args.cprofile:
         profile = cProfile.Profile()
         host_phases(llm.engine, max(batches), greedy, steps=60 if args.beam else 100,
-                    profile=profile, beam_width=args.beam)
+                    profile=profile, beam_width=args.beam,
+                    structured=min(args.structured, max(batches)))
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.cprofile)
         print(text.getvalue(), flush=True)
