@@ -203,3 +203,28 @@ def test_plain_steps_are_timed_as_the_loop_runs_them(async_scheduling):
                      else ["launch", "wait"] * 3)
     speculative = [kind for kind, drafts in events if drafts]
     assert speculative == ["launch", "wait"] * 4
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_constrained_requests_never_speculate_beside_ones_that_do(tiny_checkpoint, prompts,
+                                                                  plain_greedy,
+                                                                  async_scheduling):
+    """A structured-output request takes no drafts (its tokens must pass its grammar one by
+    one): it decodes plainly, under its mask, in the steps where the others speculate. The
+    others' tokens stay those of decoding without speculation, and every constrained output
+    matches its regex."""
+    import re
+
+    from engine import StructuredOutputsParams
+
+    llm = make_llm(tiny_checkpoint, speculative_config=NGRAM,
+                   async_scheduling=async_scheduling)
+    constrained = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=(
+        StructuredOutputsParams(regex="[a-z]{4,12}")))
+    outputs = llm.generate(prompts + prompts[:2], mixed_params(prompts) + [constrained] * 2,
+                           use_tqdm=False)
+    assert [o.token_ids for o in outputs[:len(prompts)]] == plain_greedy
+    for out in outputs[len(prompts):]:
+        assert re.fullmatch("[a-z]{4,12}", out.outputs[0].text), out.outputs[0].text
+    assert llm.engine.core.speculator.stats.num_accepted_tokens > 0
+    assert_all_blocks_free(llm)
