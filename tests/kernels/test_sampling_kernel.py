@@ -66,6 +66,21 @@ def test_sampled_rows_match_reference(dtype, rows, vocab):
         assert not torch.equal(out[1::3], logits[1::3].argmax(-1))
 
 
+def test_draws_land_in_a_given_out_and_only_its_rows():
+    """`out=`, as the step graphs pass a slice of their StepOutputs: the draws are written
+    there (the same tensor returned), the tokens drawn without it, and the buffer's other rows
+    keep their values; the reference does the same."""
+    logits = torch.randn(5, 3000, device=DEVICE)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3], device=DEVICE)
+    seeds = random_seeds(5)
+    for draw in (row_sample, sample_reference):
+        buffer = torch.full((7,), -5, dtype=torch.int64, device=DEVICE)
+        returned = draw(logits, temperature, seeds, out=buffer[:5])
+        assert returned.data_ptr() == buffer.data_ptr()
+        assert buffer[:5].tolist() == draw(logits, temperature, seeds).tolist()
+        assert buffer[5:].tolist() == [-5, -5]
+
+
 def test_same_seed_same_draw_other_seed_other_draw():
     logits = torch.zeros(64, 1000, device=DEVICE)  # uniform: the draw is the noise's argmax
     temperature = torch.ones(64, device=DEVICE)
