@@ -23,7 +23,8 @@ from engine.worker.cuda_graphs import (DecodeStager, MixedStager, decode_meta_la
                                        mixed_capture_sizes, mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 from engine.worker.inputs import is_decode_step, prepare_host_inputs
-from engine.worker.sampler import Sampler
+from engine.worker.model_runner import PlainDecode, continues_plain_decode
+from engine.worker.sampler import Sampler, is_plain_but_masked
 from engine.worker.startup import StartupPhases
 
 PHASES = ("schedule", "launch", "update", "outputs", "step_total")
@@ -31,42 +32,65 @@ PHASES = ("schedule", "launch", "update", "outputs", "step_total")
 
 class NoOpRunner:
     """Launch does the real runner's host work for a step (placeholder sources, draw seeds,
-    the step's host inputs staged into arrays shaped like the CUDA graphs' pinned buffers)
-    and samples at once: a token that changes with the step and the row, so detokenization
-    sees varied text."""
+    the step's host inputs staged into arrays shaped like the CUDA graphs' pinned buffers,
+    two decode mirrors taking turns; a decode step that continues the last one by row index
+    staged as ModelRunner._launch_plain_decode stages it) and samples at once: a token that
+    changes with the step and the row, so detokenization sees varied text."""
 
     def __init__(self, config: EngineConfig):
         sched, block_size = config.scheduler, config.cache.block_size
         n, width = sched.max_num_seqs, -(-sched.max_model_len // block_size)
         self.num_kv_blocks = config.cache.num_kv_blocks
         self.block_size, self.width = block_size, width
-        self.decode_stager = DecodeStager(host_views(token_layout(n), np.int64),
-                                          host_views(decode_meta_layout(n, width), np.int32),
-                                          block_size)
+        self.decode_stagers = [DecodeStager(host_views(token_layout(n), np.int64),
+                                            host_views(decode_meta_layout(n, width), np.int32),
+                                            block_size) for _ in range(2)]
+        first, second = self.decode_stagers
+        first.peer, second.peer = second, first
         self.mixed_sizes = mixed_capture_sizes(sched.max_num_batched_tokens)
         self.mixed_stager = MixedStager(host_views(token_layout(self.mixed_sizes[-1]), np.int64),
                                         host_views(mixed_meta_layout(n, width), np.int32))
         self.sampler = Sampler(config.model.seed)
         self.startup = StartupPhases()  # nothing to load, compile or size: no phases
         self._steps = 0
+        self._decode_steps = 0
+        self._plain_decode: PlainDecode | None = None
 
     def launch(self, out: SchedulerOutput) -> SimpleNamespace:
         seqs = out.sequences
-        to_sample = [s for s in seqs if s.sample]
-        draw_inputs = self.sampler.draw_inputs(to_sample)
         sources = [s.prev_sample_row for s in seqs]
-        if is_decode_step(seqs):
-            self.decode_stager.write(seqs, len(seqs), sources, draw_inputs)
+        last, self._plain_decode = self._plain_decode, None
+        if continues_plain_decode(last, out, sources, len(self.decode_stagers[0].meta.seq_lens)):
+            to_sample, src = seqs, np.array(sources, dtype=np.int64)
+            draw_inputs, seeded = self.sampler.continued_draw_inputs(seqs, src, last.temperature,
+                                                                      last.seeded)
+            self._next_decode_stager().write_continued(seqs, len(seqs), sources, src,
+                                                       draw_inputs)
+            self._plain_decode = PlainDecode(out.step_id, draw_inputs[0], seeded,
+                                             last.constrained[src])
+        elif is_decode_step(seqs):
+            to_sample = seqs
+            draw_inputs = self.sampler.draw_inputs(to_sample)
+            self._next_decode_stager().write(seqs, len(seqs), sources, draw_inputs)
+            if is_plain_but_masked(to_sample):
+                self._plain_decode = PlainDecode.of(out.step_id, to_sample, draw_inputs)
         else:
+            to_sample = [s for s in seqs if s.sample]
+            draw_inputs = self.sampler.draw_inputs(to_sample)
             host = prepare_host_inputs(seqs, self.block_size, self.width)
             size = next(s for s in self.mixed_sizes if s >= len(host.token_ids))
             self.mixed_stager.write(host, sources, draw_inputs, size,
-                                    min(size, len(self.decode_stager.meta.seq_lens)))
+                                    min(size, len(self.decode_stagers[0].meta.seq_lens)))
         ids = [s.request_id for s in to_sample]
         self._steps += 1
         tokens = [(self._steps * 7919 + row) % 50000 for row in range(len(ids))]
         output = RunnerOutput(ids, tokens, [None] * len(ids))
         return SimpleNamespace(wait=lambda: output)  # a pending step, nothing to wait for
+
+    def _next_decode_stager(self) -> DecodeStager:
+        """The mirror whose turn it is: the other one staged the last decode step."""
+        self._decode_steps += 1
+        return self.decode_stagers[self._decode_steps % 2]
 
 
 def host_views(layout: BufferLayout, dtype: type) -> SimpleNamespace:

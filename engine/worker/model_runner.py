@@ -178,14 +178,11 @@ class ModelRunner:
                 and out.num_tokens == len(seqs) and all(s.sample for s in seqs))
 
     def _continues_plain_decode(self, out: SchedulerOutput, sources: list[int]) -> bool:
-        """Every row of `out` is a placeholder continuing a row of the decode step launched
-        just before, whose rows were all plain draws but for grammar masks (so are these: a
-        row's parameters stay, its min_tokens only run out), and nothing else runs beside
-        the graph."""
+        """continues_plain_decode, and nothing else runs beside the graph (a last plain
+        decode step means decode graphs)."""
         last = self._plain_decode
-        return (last is not None and last.step_id == out.step_id - 1 and bool(sources)
-                and min(sources) >= 0 and len(sources) <= self.decode_graphs.max_batch
-                and self.speculation is NO_SPECULATION and not out.has_prompt_logprobs)
+        return (last is not None and self.speculation is NO_SPECULATION
+                and continues_plain_decode(last, out, sources, self.decode_graphs.max_batch))
 
     def _launch_plain_decode(self, out: SchedulerOutput, sources: list[int]) -> PendingStep:
         """launch_on for a step that _continues_plain_decode: its draw inputs, staging and
@@ -305,6 +302,17 @@ class PlainDecode:
                    np.array([s.params.seed is not None for s in rows], dtype=bool),
                    np.array([s.params.structured_outputs is not None for s in rows],
                             dtype=bool))
+
+
+def continues_plain_decode(last: PlainDecode | None, out: SchedulerOutput, sources: list[int],
+                           max_batch: int) -> bool:
+    """Every row of `out` (`sources`: their prev_sample_row) is a placeholder continuing a row
+    of `last`, the decode step launched just before, whose rows were all plain draws but for
+    grammar masks (so are these: a row's parameters stay, its min_tokens only run out), and
+    the decode graphs hold them all."""
+    return (last is not None and last.step_id == out.step_id - 1 and bool(sources)
+            and min(sources) >= 0 and len(sources) <= max_batch
+            and not out.has_prompt_logprobs)
 
 
 @dataclass(frozen=True)
