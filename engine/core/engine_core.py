@@ -72,7 +72,7 @@ class EngineCore:
                                    speculator=self.speculator)
         self.grammars = grammars
         self._compiling: dict[str, Request] = {}  # waiting for their grammar
-        self._grammar_tokens: dict[str, int] = {}  # seq id -> output tokens its matcher took
+        self._constrained: set[str] = set()  # seq ids with a live matcher
         self._completed: list[Request] = []  # ended by their grammar, to be reported
         self.failed: list[SequenceFailed] = []  # sequences ended by the core, to be reported
         self._in_flight = None  # (SchedulerOutput, pending result) of the launched step
@@ -152,7 +152,7 @@ class EngineCore:
                 continue
             if error is None:
                 self.scheduler.add(request)
-                self._grammar_tokens[seq_id] = 0
+                self._constrained.add(seq_id)
             else:
                 del self._num_sent[seq_id]
                 self.failed.append(SequenceFailed(seq_id, f"structured outputs: {error}"))
@@ -172,7 +172,7 @@ class EngineCore:
         mask, completed = self.grammars.take_mask()
         for seq_id in completed:
             request = self.scheduler.requests.get(seq_id)
-            if seq_id not in self._grammar_tokens or request is None:
+            if seq_id not in self._constrained or request is None:
                 continue  # it ended otherwise since its matcher took its last token
             self.scheduler.finish(seq_id, RequestStatus.FINISHED_STOPPED,
                                   request.output_token_ids[-1])
@@ -189,12 +189,12 @@ class EngineCore:
         grammars have this step's tokens, before the update, so that it fills meanwhile."""
         self._sample_masked(pending)
         result = pending.wait()
-        if self._grammar_tokens:
+        if self._constrained:
             self._advance_sampled(scheduled.step_id, result)
         self._request_mask(launched)
         changed = self.scheduler.update(scheduled, result)
-        if self._grammar_tokens:  # constrained sequences are running
-            self._advance_grammars(changed)
+        if self._constrained:  # constrained sequences are running
+            self._release_finished_grammars(changed)
         if self._completed:
             changed += self._completed
             self._completed = []
@@ -239,31 +239,21 @@ class EngineCore:
         return outputs
 
     def _advance_sampled(self, step_id: int, result) -> None:
-        """The matchers take the step's tokens that its update will append, before it runs
-        (a constrained request never has drafts: one token a row)."""
-        taken, applies = self._grammar_tokens, self.scheduler.applies_token
+        """The matchers take the step's tokens that its update will append, before it runs:
+        every token a constrained request gains (it never has drafts: one token a row)."""
+        constrained, applies = self._constrained, self.scheduler.applies_token
         for seq_id, token in zip(result.request_ids, result.sampled_token_ids):
-            if seq_id in taken and applies(step_id, seq_id):
+            if seq_id in constrained and applies(step_id, seq_id):
                 self.grammars.advance(seq_id, [token])
-                taken[seq_id] += 1
 
-    def _advance_grammars(self, changed: list[Request]) -> None:
-        """The constrained requests' matchers take their new tokens not taken yet (none after
-        _advance_sampled); a finished request's matcher goes."""
+    def _release_finished_grammars(self, changed: list[Request]) -> None:
         for request in changed:
-            seq_id = request.request_id
-            if seq_id not in self._grammar_tokens:
-                continue
-            if request.status.is_finished:
-                self._release_grammar(seq_id)
-                continue
-            taken = self._grammar_tokens[seq_id]
-            if request.num_output_tokens > taken:
-                self.grammars.advance(seq_id, request.output_token_ids[taken:])
-                self._grammar_tokens[seq_id] = request.num_output_tokens
+            if request.status.is_finished and request.request_id in self._constrained:
+                self._release_grammar(request.request_id)
 
     def _release_grammar(self, seq_id: str) -> None:
-        if self._grammar_tokens.pop(seq_id, None) is not None:
+        if seq_id in self._constrained:
+            self._constrained.remove(seq_id)
             self.grammars.release(seq_id)
 
     def _output_of(self, request: Request, token_logprobs,
