@@ -1,6 +1,6 @@
-"""Graph sets (and the masked draw's graphs) on CPU: eager stand-ins for captured CUDA graphs,
-so the graph paths' staging, inputs and replay order run without CUDA. (A draft chain needs none: uncaptured, it runs its
-iterations eagerly itself.)"""
+"""Graph sets (and the masked draw's and block copies' graphs) on CPU: eager stand-ins for
+captured CUDA graphs, so the graph paths' staging, inputs and replay order run without CUDA.
+(A draft chain needs none: uncaptured, it runs its iterations eagerly itself.)"""
 from __future__ import annotations
 
 from functools import partial
@@ -24,6 +24,11 @@ def replay_eagerly(graphs) -> None:
         graphs.graphs[size] = _EagerReplay(partial(_refresh_outputs, graphs, size))
         if graphs.follower is not None:
             graphs.follow_graphs[size] = _EagerReplay(partial(graphs.follow, size))
+
+
+def replay_block_copy_eagerly(graph) -> None:
+    """BlockCopyGraph on CPU: its replay runs what its graph would record."""
+    graph.graph = _EagerReplay(graph.record)
 
 
 def replay_masked_draw_eagerly(graphs) -> None:

@@ -184,6 +184,17 @@ def token_logprobs(logits: torch.Tensor, rows: torch.Tensor | None, tokens: torc
     return logprobs.gather(1, tokens[:, None]).squeeze(1), top.values, top.indices
 
 
+def copy_staged_blocks(storage: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Block dst[i] of every cache in `storage` [layers, 2, num_blocks, *block] becomes block
+    src[i], for the pairs the device holds: `pairs` int64 [1 + 2P] is the count n, P sources
+    and P destinations (i < n). No destination is another pair's source. Reads n on the
+    host (kernels/block_copy.py reads it on the device, in a CUDA graph)."""
+    count, max_pairs = int(pairs[0]), (pairs.numel() - 1) // 2
+    blocks = storage.flatten(0, 1)  # [caches, num_blocks, *block]
+    src, dst = pairs[1:1 + count], pairs[1 + max_pairs:1 + max_pairs + count]
+    blocks.index_copy_(1, dst, blocks.index_select(1, src))
+
+
 class LinearShape(NamedTuple):
     """A linear layer as `Ops` serves it: weight [n, k]; `norm`: called through
     add_norm_linear (the residual add and LayerNorm fused before it); `gelu`: GELU after."""
@@ -204,8 +215,10 @@ class Ops:
     masked_sample: Callable[..., None]
     # token_logprobs(logits, rows, tokens, k) -> (token logprob, top k logprobs, their ids)
     token_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # copy_staged_blocks(kv storage, device pairs [n, srcs, dsts]): a forked beam's block copies
+    copy_staged_blocks: Callable[[torch.Tensor, torch.Tensor], None]
 
 
 TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                 add_norm_linear=add_norm_linear, sample=sample, masked_sample=masked_sample,
-                token_logprobs=token_logprobs)
+                token_logprobs=token_logprobs, copy_staged_blocks=copy_staged_blocks)

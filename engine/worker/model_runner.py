@@ -20,9 +20,9 @@ from engine.core.batch import (GrammarMask, PromptLogprobs, RunnerOutput, Schedu
                                SchedulerOutput)
 from engine.core.config import EngineConfig
 from engine.worker.attention import get_attention_backend
-from engine.worker.block_copy import allocate_kv_caches, copy_blocks
-from engine.worker.cuda_graphs import (DecodeGraphs, GraphPlan, LogprobGraphs, MaskedDrawGraphs,
-                                       MixedGraphs, StepOutputs)
+from engine.worker.block_copy import allocate_kv_caches, copy_blocks, kv_storage
+from engine.worker.cuda_graphs import (BlockCopyGraph, DecodeGraphs, GraphPlan, LogprobGraphs,
+                                       MaskedDrawGraphs, MixedGraphs, StepOutputs)
 from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
 from engine.worker.inputs import prepare_host_inputs, take_placeholders, to_device
 from engine.worker.kv_sizing import kv_block_bytes
@@ -75,6 +75,7 @@ class ModelRunner:
         self.speculation: Speculation = NO_SPECULATION
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.block_copy_graph: BlockCopyGraph | None = None
         # the last launched step's sampled tokens, which the next step's placeholders name
         self._last_step: LaunchedStep | None = None
         self._plain_decode: PlainDecode | None = None  # the last step, if a plain decode step
@@ -95,8 +96,8 @@ class ModelRunner:
         """Mixed-step graphs (the larger) first, then decode graphs, in one memory pool,
         all writing their logits and draws into one StepOutputs; each graph runs the
         speculation's follower over the step's inputs too, if it has one. Then the masked
-        draw's and the logprobs' graphs (structured outputs' rows after a graph's draw; rows
-        asking for logprobs), in a pool of their own."""
+        draw's, the logprobs' and the block copies' graphs (structured outputs' rows after a
+        graph's draw; rows asking for logprobs; forked beams), in a pool of their own."""
         sched, plan, start, pool = self.config.scheduler, self.graph_plan, time.perf_counter(), None
         follower, cfg = self.speculation.follower, self.model.config
         step = StepOutputs(plan.max_sample_rows, cfg.padded_vocab_size, cfg.vocab_size,
@@ -114,10 +115,12 @@ class ModelRunner:
         self.sampler.masked_graphs = MaskedDrawGraphs(
             self.model.ops.masked_sample, step, -(-cfg.vocab_size // 32), sched.max_num_seqs,
             self.device)
-        self.sampler.logprob_graphs = LogprobGraphs(self.model.ops.token_logprobs,
-                                                    cfg.vocab_size, self.dtype,
-                                                    sched.max_num_seqs, self.device)
-        self.sampler.logprob_graphs.capture(self.sampler.masked_graphs.capture())
+        self.sampler.logprob_graphs = LogprobGraphs(self.model.ops.token_logprobs, step,
+                                                    self.dtype, sched.max_num_seqs, self.device)
+        self.block_copy_graph = BlockCopyGraph(self.model.ops.copy_staged_blocks,
+                                               kv_storage(self.kv_caches), sched.max_num_seqs)
+        self.block_copy_graph.capture(self.sampler.logprob_graphs.capture(
+            self.sampler.masked_graphs.capture()))
         self.startup.add("graphs", time.perf_counter() - start)
         log.info("captured CUDA graphs in %.1f s: decode for batch sizes %s; mixed steps for "
                  "token counts %s", time.perf_counter() - start, self.decode_graphs.sizes,
@@ -148,7 +151,7 @@ class ModelRunner:
         """launch() into the given caches (KV sizing's worst-case step runs on a scratch
         one), after the step's block copies."""
         if out.block_copies:
-            copy_blocks(kv_caches, out.block_copies)
+            self._copy_blocks(kv_caches, out.block_copies)
         sources = [s.prev_sample_row for s in out.sequences]
         if self._continues_plain_decode(out, sources):
             return self._launch_plain_decode(out, sources)
@@ -170,6 +173,14 @@ class ModelRunner:
             if not any(s.params.structured_outputs for s in to_sample):
                 pending.sample(None)
         return pending
+
+    def _copy_blocks(self, kv_caches: list[KVCache], copies: tuple[tuple[int, int], ...]
+                     ) -> None:
+        graph = self.block_copy_graph
+        if graph is not None and graph.takes(kv_storage(kv_caches), copies):
+            graph.run(copies)
+        else:
+            copy_blocks(kv_caches, copies)
 
     def _is_decode_step(self, out: SchedulerOutput) -> bool:
         """A step the decode graphs run: one token per row, every row sampling."""

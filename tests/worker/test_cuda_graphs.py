@@ -64,7 +64,8 @@ def test_graph_decode_equals_eager(tiny_checkpoint, dtype, params):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_logprobs_and_beam_search_equal_eager(tiny_checkpoint):
     """Rows asking for logprobs read them from the logprobs' graphs (LogprobGraphs), and beam
-    steps copy forked blocks before their graph replays: both as the eager engine does."""
+    steps copy forked blocks (BlockCopyGraph) before their graph replays: both as the eager
+    engine does."""
     from engine.beam_search import BeamSearchParams
 
     rng = random.Random(1)
@@ -79,6 +80,10 @@ def test_graph_logprobs_and_beam_search_equal_eager(tiny_checkpoint):
         assert (llm.engine.runner.sampler.logprob_graphs is None) == eager
         outputs = llm.generate(prompts, asked, use_tqdm=False)
         searches = llm.beam_search(prompts[:2], beam)
+        runner = llm.engine.runner
+        if not eager:  # forks copied their blocks in the graph; beam rows' logprobs in place
+            assert runner.block_copy_graph.steps_copied > 0
+            assert runner.sampler.logprob_graphs.steps_in_place > 0
         results.append(([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs],
                          [[(s.tokens, s.cum_logprob) for s in r.sequences] for r in searches]))
     (eager_outputs, eager_searches), (graph_outputs, graph_searches) = results

@@ -355,25 +355,31 @@ def test_sanitized_log_softmax_equals_the_log_softmax_of_sanitised_logits(dtype)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("count", [1, 3, 8, 13])
 def test_the_logprob_graphs_give_what_the_kernel_gives(count):
-    from engine.worker.cuda_graphs import LogprobGraphs
+    """Rows gathered, the first rows of any logits, and the first rows of the StepOutputs
+    (read in place)."""
+    from engine.worker.cuda_graphs import LogprobGraphs, StepOutputs
     from kernels.logprobs import token_logprobs
 
     device, vocab, batch = torch.device("cuda"), 5000, 16
-    graphs = LogprobGraphs(token_logprobs, vocab, torch.float16, batch, device)
+    step = StepOutputs(batch, vocab + 64, vocab, torch.float16, device)
+    graphs = LogprobGraphs(token_logprobs, step, torch.float16, batch, device)
     graphs.capture()
     rng = np.random.default_rng(count)
     for k in (3, 0, 20):  # the buffers are reused from step to step
         logits = torch.randn(batch, vocab, device=device).half()
         tokens = torch.from_numpy(rng.integers(0, vocab, batch)).to(device)
         rows = torch.from_numpy(np.sort(rng.choice(batch, count, replace=False))).to(device)
-        for picked in (rows, None):
-            got = graphs.run(logits if picked is not None else logits[:count], picked,
-                             tokens if picked is not None else tokens[:count], k)
-            expected = token_logprobs(logits if picked is not None else logits[:count], picked,
-                                      tokens if picked is not None else tokens[:count], k)
+        step.logits[:batch, :vocab] = logits
+        step.drawn[:batch] = tokens
+        cases = [(logits, rows, tokens), (logits[:count], None, tokens[:count]),
+                 (step.logits[:count, :vocab], None, step.drawn[:count])]
+        for case_logits, picked, case_tokens in cases:
+            got = graphs.run(case_logits, picked, case_tokens, k)
+            expected = token_logprobs(case_logits, picked, case_tokens, k)
             assert torch.equal(got[0], expected[0])
             assert torch.equal(got[1][:, :k], expected[1])
             assert torch.equal(got[2][:, :k], expected[2])
+    assert graphs.steps_in_place == 3
     assert graphs.takes(logits, batch) and not graphs.takes(logits.float(), 1)
 
 

@@ -19,7 +19,8 @@ Follower = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None]
 
 class GraphSet:
     """Graphs of one kind, one per padded size, reading two packed device buffers: `tokens`
-    (int64, `token_layout`) and `meta` (int32, the subclass's layout). Two pinned mirrors
+    (int64, `token_layout`) and `meta` (int32, the subclass's layout), one byte buffer
+    (`packed_buffers`), so that a step's inputs go in with one copy. Two pinned mirrors
     take turns (step N's copies may still be queued while N+1 is staged), each guarded by an
     event. A subclass defines attention_meta(size) and forward(size), what its graph records;
     the result stays in `outputs[size]` until that size's next replay. A `follower` gets its
@@ -34,8 +35,8 @@ class GraphSet:
         self.follower = follower
         self.step_outputs = step_outputs
         self.token_layout, self.meta_layout = token_layout(sizes[-1]), meta_layout
-        self._ids64 = torch.zeros(self.token_layout.size, dtype=torch.int64, device=device)
-        self._ids32 = torch.zeros(meta_layout.size, dtype=torch.int32, device=device)
+        self._bytes, self._ids64, self._ids32 = packed_buffers(self.token_layout, meta_layout,
+                                                               device)
         self.tokens = self.token_layout.views(self._ids64)
         self.meta = meta_layout.views(self._ids32)
         self.tokens.slot_mapping.fill_(-1)  # nothing is stored while the graphs are captured
@@ -109,12 +110,12 @@ class GraphSet:
         stage(staging.stager)
         if prev_tokens is not None:
             self.tokens.prev_tokens[:len(prev_tokens)].copy_(prev_tokens, non_blocking=True)
-        # one contiguous range each: a strided copy from pinned memory would be staged by
-        # torch through pageable memory, whose copy waits for the step still on the device
-        known = self.token_layout.start("token_ids")
-        self._ids64[known:].copy_(staging.ids64[known:], non_blocking=True)
-        used = self.meta_layout.end("block_tables", meta_rows)
-        self._ids32[:used].copy_(staging.ids32[:used], non_blocking=True)
+        # one contiguous byte range, from the token ids to the last block-table row used: a
+        # strided copy from pinned memory would be staged by torch through pageable memory,
+        # whose copy waits for the step still on the device
+        start = 8 * self.token_layout.start("token_ids")
+        end = 8 * self.token_layout.size + 4 * self.meta_layout.end("block_tables", meta_rows)
+        self._bytes[start:end].copy_(staging.bytes[start:end], non_blocking=True)
         staging.mark_copied()
 
 
@@ -150,14 +151,24 @@ def capture_graph(record: Callable, pool) -> tuple[torch.cuda.CUDAGraph, object,
     return graph, graph.pool(), outputs
 
 
+def packed_buffers(tokens: BufferLayout, meta: BufferLayout, device: torch.device,
+                   pin: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One zeroed byte buffer holding the int64 `tokens` buffer, then the int32 `meta` one
+    (so a step's inputs are one contiguous copy), and those two as views of it."""
+    buffer = torch.zeros(8 * tokens.size + 4 * meta.size, dtype=torch.uint8, device=device,
+                         pin_memory=pin)
+    return (buffer, buffer[:8 * tokens.size].view(torch.int64),
+            buffer[8 * tokens.size:].view(torch.int32))
+
+
 class _PinnedStaging:
     """Pinned host mirrors of a graph set's two buffers, their stager, and an event marking
     when the device has taken their last copies (a queued mirror must not be rewritten)."""
 
     def __init__(self, graphs: GraphSet, make_stager: MakeStager, device: torch.device):
         pin = device.type == "cuda"  # pinning needs CUDA; a draft chain stages on CPU too
-        self.ids64 = torch.zeros(graphs._ids64.shape, dtype=torch.int64, pin_memory=pin)
-        self.ids32 = torch.zeros(graphs._ids32.shape, dtype=torch.int32, pin_memory=pin)
+        self.bytes, self.ids64, self.ids32 = packed_buffers(
+            graphs.token_layout, graphs.meta_layout, torch.device("cpu"), pin)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self.stager = make_stager(graphs.token_layout.views(self.ids64.numpy()),
                                   graphs.meta_layout.views(self.ids32.numpy()))

@@ -7,6 +7,8 @@ host time on the H100 node) and its allocations.
     logits[rows], tokens[rows]                 ─gather─▶  logits[:R], tokens[:R]
     graph[size]: token_logprobs(logits[:size], tokens[:size], MAX_LOGPROBS) ─▶ outputs[size]
 
+A step whose first R rows all ask for logprobs, over a graph's StepOutputs (a beam search's
+steps, say), skips the gather: a second graph per size reads the StepOutputs' rows in place.
 Rows R..size-1 compute from whatever their buffers hold last: results nobody reads.
 """
 from __future__ import annotations
@@ -16,28 +18,39 @@ from collections.abc import Callable
 import torch
 
 from engine.core.request import MAX_LOGPROBS
-from engine.worker.cuda_graphs.graph_set import capture_graph
+from engine.worker.cuda_graphs.graph_set import StepOutputs, capture_graph
 from engine.worker.cuda_graphs.plan import power_of_two_sizes
 
 
 class LogprobGraphs:
-    def __init__(self, token_logprobs: Callable, vocab: int, dtype: torch.dtype, max_rows: int,
-                 device: torch.device) -> None:
+    def __init__(self, token_logprobs: Callable, step: StepOutputs, dtype: torch.dtype,
+                 max_rows: int, device: torch.device) -> None:
         self.sizes = power_of_two_sizes(max_rows)
         top = self.sizes[-1]
         self._op = token_logprobs
-        self._logits = torch.zeros(top, vocab, dtype=dtype, device=device)
+        self.step = step
+        self._logits = torch.zeros(top, step.vocab, dtype=dtype, device=device)
         self._tokens = torch.zeros(top, dtype=torch.int64, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (in place, size)
+        self._outputs: dict[tuple[bool, int], tuple[torch.Tensor, ...]] = {}
+        self.steps_in_place = 0  # runs that read the StepOutputs in place
 
     def capture(self, pool=None):
-        """Every size's graph, in `pool` (None: a new one); returns the pool."""
-        for size in self.sizes:
-            self._graphs[size], pool, self._outputs[size] = capture_graph(
-                lambda: self._op(self._logits[:size], None, self._tokens[:size], MAX_LOGPROBS),
-                pool)
+        """Every size's two graphs, in `pool` (None: a new one); returns the pool."""
+        for in_place in (False, True):
+            for size in self.sizes:
+                key = (in_place, size)
+                self._graphs[key], pool, self._outputs[key] = capture_graph(
+                    lambda: self.record(in_place, size), pool)
         return pool
+
+    def record(self, in_place: bool, size: int) -> tuple[torch.Tensor, ...]:
+        """What the graph for `size` rows runs, over the StepOutputs if `in_place`."""
+        if in_place:
+            logits, tokens = self.step.logits[:size, :self.step.vocab], self.step.drawn[:size]
+        else:
+            logits, tokens = self._logits[:size], self._tokens[:size]
+        return self._op(logits, None, tokens, MAX_LOGPROBS)
 
     def takes(self, logits: torch.Tensor, num_rows: int) -> bool:
         """Whether `run` serves these logits: the graphs' dtype, at most their rows."""
@@ -50,11 +63,14 @@ class LogprobGraphs:
         graphs' outputs, valid until the next run."""
         count = logits.shape[0] if rows is None else rows.shape[0]
         size = next(s for s in self.sizes if s >= count)
-        if rows is None:
+        in_place = rows is None and self.step.holds(logits, tokens)
+        if in_place:
+            self.steps_in_place += 1
+        elif rows is None:
             self._logits[:count].copy_(logits)
             self._tokens[:count].copy_(tokens)
         else:
             torch.index_select(logits, 0, rows, out=self._logits[:count])
             torch.index_select(tokens, 0, rows, out=self._tokens[:count])
-        self._graphs[size].replay()
-        return tuple(out[:count] for out in self._outputs[size])
+        self._graphs[in_place, size].replay()
+        return tuple(out[:count] for out in self._outputs[in_place, size])
