@@ -195,6 +195,15 @@ def copy_staged_blocks(storage: torch.Tensor, pairs: torch.Tensor) -> None:
     blocks.index_copy_(1, dst, blocks.index_select(1, src))
 
 
+def gather_tokens(prev: torch.Tensor, own: torch.Tensor, source: torch.Tensor,
+                  num_prev: int) -> torch.Tensor:
+    """A graph step's input ids: row i is prev[source[i]] where source[i] < num_prev (the
+    previous step's draws), else own[source[i] - num_prev] (tokens the host staged)."""
+    from_prev = source < num_prev
+    return torch.where(from_prev, prev[source.clamp(max=len(prev) - 1)],
+                       own[(source - num_prev).clamp(min=0)])
+
+
 class LinearShape(NamedTuple):
     """A linear layer as `Ops` serves it: weight [n, k]; `norm`: called through
     add_norm_linear (the residual add and LayerNorm fused before it); `gelu`: GELU after."""
@@ -217,8 +226,11 @@ class Ops:
     token_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     # copy_staged_blocks(kv storage, device pairs [n, srcs, dsts]): a forked beam's block copies
     copy_staged_blocks: Callable[[torch.Tensor, torch.Tensor], None]
+    # gather_tokens(prev, own, source, num_prev) -> a graph step's input ids
+    gather_tokens: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                 add_norm_linear=add_norm_linear, sample=sample, masked_sample=masked_sample,
-                token_logprobs=token_logprobs, copy_staged_blocks=copy_staged_blocks)
+                token_logprobs=token_logprobs, copy_staged_blocks=copy_staged_blocks,
+                gather_tokens=gather_tokens)

@@ -11,6 +11,7 @@ from engine.worker.layers import LinearShape, Ops
 from engine.worker.quantization import STORAGE
 from engine.worker.startup import StartupCache, device_key, source_hash
 from kernels.block_copy import copy_staged_blocks
+from kernels.gather_tokens import gather_tokens
 from kernels.gemv import GemvConfig
 from kernels.layernorm import add_layer_norm, layer_norm
 from kernels.linear import GEMV_CANDIDATES, LinearDispatch, LinearWins, measure_linear_wins
@@ -29,7 +30,7 @@ def triton_ops(linear_wins: LinearWins | None = None) -> Ops:
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                add_norm_linear=linear.add_norm_linear, sample=row_sample,
                masked_sample=masked_row_sample, token_logprobs=token_logprobs,
-               copy_staged_blocks=copy_staged_blocks)
+               copy_staged_blocks=copy_staged_blocks, gather_tokens=gather_tokens)
 
 
 def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],

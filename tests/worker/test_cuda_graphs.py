@@ -158,12 +158,14 @@ STRUCTURED = PLAIN + [SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=
 def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                                                   async_scheduling, params):
     """The graph paths' inputs (pinned staging used in turn, changed-row block tables, the
-    token-source gather that fills placeholders, decode steps continuing the last one by
-    row index (ModelRunner._launch_plain_decode), each row's draw temperature and seed, and
-    for steps with prompt chunks the padded tokens and sequences) give the eager path's
+    token-source gather that fills placeholders from the StepOutputs' draws, decode steps
+    continuing the last one by row index (ModelRunner._launch_plain_decode), each row's draw
+    temperature and seed, and for steps with prompt chunks the padded tokens and sequences)
+    give the eager path's
     tokens, and so do structured-output rows drawn again in the graphs' StepOutputs
-    (MaskedDrawGraphs), in continued steps too. Graphs are replaced by eager replays, so this runs without CUDA. A
-    24-token budget splits prompts into chunks that share steps with decodes."""
+    (MaskedDrawGraphs), in continued steps too. Graphs are replaced by eager replays, so this
+    runs without CUDA. A 24-token budget splits prompts into chunks that share steps with
+    decodes."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
     rng = random.Random(3)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 40))] for _ in range(7)]

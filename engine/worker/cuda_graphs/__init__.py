@@ -13,6 +13,9 @@ copied from pinned memory each step in one copy (token_ids up to the last table 
     meta    int32   per-sequence metadata and block tables (the set's own layout)
 
 token_source indexes prev_tokens | token_ids: a placeholder's sampled token, or a known token.
+The decode and mixed-step sets read a placeholder's token in the StepOutputs instead, where the
+last graph step drew it (Ops.gather_tokens): prev_tokens serves sets without StepOutputs (a
+draft chain's), and the host copies previous tokens in only when no graph drew them.
 """
 from engine.worker.cuda_graphs.block_copy_graph import BlockCopyGraph
 from engine.worker.cuda_graphs.decode import DecodeGraphs, DecodeStager, decode_meta_layout

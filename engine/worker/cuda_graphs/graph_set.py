@@ -53,8 +53,16 @@ class GraphSet:
         return self._steps_staged
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input ids (gathered by token source) and positions of the first `size` rows."""
-        input_ids = self._token_pool.index_select(0, self.tokens.token_source[:size])
+        """Input ids (gathered by token source) and positions of the first `size` rows. With
+        step_outputs, a placeholder reads the previous step's draw there (Ops.gather_tokens),
+        where the last graph step left it: the host copies nothing in for it."""
+        source = self.tokens.token_source[:size]
+        if self.step_outputs is None:
+            input_ids = self._token_pool.index_select(0, source)
+        else:
+            input_ids = self.model.ops.gather_tokens(self.step_outputs.drawn,
+                                                     self.tokens.token_ids, source,
+                                                     len(self.tokens.prev_tokens))
         return input_ids, self.tokens.positions[:size]
 
     def _hidden(self, size: int) -> torch.Tensor:
@@ -109,7 +117,9 @@ class GraphSet:
         staging.wait_copied()
         stage(staging.stager)
         if prev_tokens is not None:
-            self.tokens.prev_tokens[:len(prev_tokens)].copy_(prev_tokens, non_blocking=True)
+            prev = self.tokens.prev_tokens if self.step_outputs is None else self.step_outputs.drawn
+            if prev_tokens.data_ptr() != prev.data_ptr():  # else a graph drew them there
+                prev[:len(prev_tokens)].copy_(prev_tokens, non_blocking=True)
         # one contiguous byte range, from the token ids to the last block-table row used: a
         # strided copy from pinned memory would be staged by torch through pageable memory,
         # whose copy waits for the step still on the device
