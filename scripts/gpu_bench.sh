@@ -13,6 +13,8 @@
 #   profile           scripts/profile_decode.py per model in MODELS at PROFILE_BATCH (log only);
 #                     PROFILE_ARGS (e.g. --output-kind final_only --cprofile 25; --beam 4: one
 #                     beam search's steps instead)
+#   profile-offline   scripts/profile_offline.py per model in MODELS (default gpt2): bench_offline's
+#                     workload, host and device time by step kind (log only); PROFILE_OFFLINE_ARGS
 #   serve             scripts/bench_serve.py per model in MODELS (default gpt2); SERVE_ARGS
 #   spec              scripts/bench_spec.py, n-gram/oracle sweeps on SPEC_MODEL (default gpt2-xl);
 #                     SPEC_ARGS
@@ -76,6 +78,7 @@ for stage in "$@"; do
         offline) python3 scripts/bench_offline.py --model gpt2 --num-prompts "${NUM_PROMPTS:-1000}" --out "$dir" ${OFFLINE_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s\]" ;;
         kernels) python3 scripts/bench_kernels.py --out "$dir" 2>&1 | tee "$log" | tail -30 ;;
         profile) for m in ${MODELS:-gpt2 gpt2-xl}; do python3 scripts/profile_decode.py --model "$m" --batch "${PROFILE_BATCH:-1,64}" ${PROFILE_ARGS:-} 2>&1 | grep -v "it/s"; done | tee "$log" ;;
+        profile-offline) for m in ${MODELS:-gpt2}; do python3 scripts/profile_offline.py --model "$m" ${PROFILE_OFFLINE_ARGS:-}; done 2>&1 | grep -v "it/s" | tee "$log" ;;
         serve) for m in ${MODELS:-gpt2}; do python3 scripts/bench_serve.py --model "$m" --out "$dir" ${SERVE_ARGS:-}; done 2>&1 | tee "$log" | grep -v "it/s" ;;
         spec) python3 scripts/bench_spec.py --model "${SPEC_MODEL:-gpt2-xl}" --out "$dir" ${SPEC_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s" ;;
         spec-draft) for d in ${SPEC_DRAFTS:-gpt2}; do python3 scripts/bench_spec.py --model "${SPEC_MODEL:-gpt2-xl}" --draft-model "$d" --out "$dir/$(basename "$d")" ${SPEC_ARGS:-}; done 2>&1 | tee "$log" | grep -v "it/s" ;;
