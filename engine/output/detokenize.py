@@ -25,7 +25,8 @@ class TextStream:
                  final_only: bool = False, min_tokens: int = 0,
                  include_stop: bool = False) -> None:
         self._tokenizer = tokenizer
-        self._bulk: list[int] | None = [] if final_only and not stop else None
+        self.decodes_at_end = final_only and not stop  # (not a property: read every step)
+        self._bulk: list[int] = []  # the tokens a stream that decodes_at_end holds
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop = stop_strings(stop) if stop else None
         self._holdback = self._stop.longest - 1 if self._stop else 0
@@ -34,10 +35,6 @@ class TextStream:
         self._pending = ""
         self._pieces: list[str] = []  # everything emitted so far
         self.stopped_by: str | None = None
-
-    @property
-    def decodes_at_end(self) -> bool:
-        return self._bulk is not None
 
     @property
     def text(self) -> str:
@@ -51,13 +48,8 @@ class TextStream:
         After a stop string is found, everything further is dropped."""
         if self.stopped_by is not None:
             return ""
-        if self._bulk is not None:
-            if token_id != EOS_TOKEN_ID:
-                self._bulk.append(token_id)
-            if not final:
-                return ""
-            self._pieces = [self._tokenizer.decode(self._bulk)]
-            return self._pieces[0]
+        if self.decodes_at_end:
+            return self.add_bulk((token_id,), final)
         piece = "" if token_id == EOS_TOKEN_ID else self._detokenizer.add(token_id)
         if final:
             piece += self._detokenizer.flush()
@@ -66,6 +58,15 @@ class TextStream:
             return piece
         self._num_tokens += 1
         return self._emit(self._pending + piece, final)
+
+    def add_bulk(self, token_ids: list[int] | tuple[int, ...], final: bool) -> str:
+        """add() of each token, the last one `final`, for a stream that decodes_at_end (no
+        stop string can end it early): one call for a finished request's many tokens."""
+        self._bulk += [t for t in token_ids if t != EOS_TOKEN_ID]
+        if not final:
+            return ""
+        self._pieces = [self._tokenizer.decode(self._bulk)]
+        return self._pieces[0]
 
     def _emit(self, buffer: str, final: bool) -> str:
         """`buffer`: the held-back text, then this token's."""

@@ -253,12 +253,15 @@ class OutputProcessor:
         """The step's tokens, up to the one that completes a stop string if one does (the
         rest never happened); a token without logprobs adds none."""
         stream, metrics = choice.stream, choice.metrics
-        last = len(tokens) - 1
-        for i, token in enumerate(tokens):
-            choice.delta_text += stream.add(token, ends and i == last)
-            if stream.stopped_by is not None:
-                tokens = tokens[:i + 1]
-                break
+        if stream.decodes_at_end:  # final-only without stop strings: every token stays
+            choice.delta_text += stream.add_bulk(tokens, ends)
+        else:
+            last = len(tokens) - 1
+            for i, token in enumerate(tokens):
+                choice.delta_text += stream.add(token, ends and i == last)
+                if stream.stopped_by is not None:
+                    tokens = tokens[:i + 1]
+                    break
         choice.delta_token_ids += tokens
         choice.token_ids += tokens
         metrics.token_times += times[:len(tokens)]

@@ -62,11 +62,14 @@ def test_a_stream_request_gets_cumulative_snapshots(tokenizer):
 
 
 def test_final_only_requests_get_one_output(tokenizer):
+    """Its text is decoded once at the end, from every step's tokens (a step may bring
+    several), the end-of-text token adding none."""
     processor = OutputProcessor(tokenizer)
-    processor.add("r", None, [1], SamplingParams(max_tokens=3, output_kind="final_only"), 0.0)
+    processor.add("r", None, [1], SamplingParams(max_tokens=4, output_kind="final_only"), 0.0)
     assert processor.process(step("r#0", [464], 1.0))[0] == []
-    (last,), _ = processor.process(step("r#0", [2068], 2.0, finished=True))
-    assert last.token_ids == [464, 2068] and last.finished
+    (last,), _ = processor.process(step("r#0", [2068, 7586, 50256], 2.0, finished=True))
+    assert last.token_ids == [464, 2068, 7586, 50256] and last.finished
+    assert last.outputs[0].text == "The quick brown"
 
 
 def test_an_unknown_output_kind_is_refused():
