@@ -1,6 +1,6 @@
-"""Graph sets (and the masked draw's and block copies' graphs) on CPU: eager stand-ins for
-captured CUDA graphs, so the graph paths' staging, inputs and replay order run without CUDA.
-(A draft chain needs none: uncaptured, it runs its iterations eagerly itself.)"""
+"""Graph sets (and the masked draw's, logprobs' and block copies' graphs) on CPU: eager
+stand-ins for captured CUDA graphs, so the graph paths' staging, inputs and replay order run
+without CUDA. (A draft chain needs none: uncaptured, it runs its iterations eagerly itself.)"""
 from __future__ import annotations
 
 from functools import partial
@@ -29,6 +29,16 @@ def replay_eagerly(graphs) -> None:
 def replay_block_copy_eagerly(graph) -> None:
     """BlockCopyGraph on CPU: its replay runs what its graph would record."""
     graph.graph = _EagerReplay(graph.record)
+
+
+def replay_logprobs_eagerly(graphs) -> None:
+    """LogprobGraphs on CPU: each replay runs what its graph would record, and its outputs
+    are what that run returned."""
+    def refresh(key: tuple[bool, int]) -> None:
+        graphs.outputs[key] = graphs.record(*key)
+
+    for key in [(in_place, size) for in_place in (False, True) for size in graphs.sizes]:
+        graphs.graphs[key] = _EagerReplay(partial(refresh, key))
 
 
 def replay_masked_draw_eagerly(graphs) -> None:

@@ -208,6 +208,56 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
     assert results[0] == results[1]
 
 
+@pytest.mark.slow
+def test_beam_search_through_the_graph_paths_matches_eager_on_cpu(tiny_checkpoint, monkeypatch):
+    """Beam steps through eager stand-ins of the step graphs, of the logprobs' graphs (which
+    read the beams' rows in the StepOutputs in place) and of the block-copy graph (the forks'
+    copies) give the eager engine's searches."""
+    from engine.beam_search import BeamSearchParams
+    from engine.worker.block_copy import kv_storage
+    from engine.worker.cuda_graphs import BlockCopyGraph, LogprobGraphs
+    from engine.worker.layers import copy_staged_blocks, token_logprobs
+    from eager_graphs import replay_block_copy_eagerly, replay_logprobs_eagerly
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
+    rng = random.Random(5)
+    prompts = [[rng.randrange(50256) for _ in range(rng.randint(3, 30))] for _ in range(2)]
+    beam = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    results = []
+    for with_graphs in (False, True):
+        llm = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_num_seqs=8,
+                  max_num_batched_tokens=64, num_kv_blocks=128, block_size=4,
+                  attention_backend="torch")
+        runner = llm.engine.runner
+        if with_graphs:
+            cpu, model = torch.device("cpu"), runner.model
+            step = StepOutputs(8, model.config.padded_vocab_size, model.config.vocab_size,
+                               torch.float32, cpu)
+            decode = DecodeGraphs(model, runner.kv_caches, capture_sizes(8),
+                                  runner.max_blocks_per_seq, runner.block_size, 1024, cpu,
+                                  step_outputs=step)
+            mixed = MixedGraphs(model, runner.kv_caches, mixed_capture_sizes(64), 8,
+                                runner.max_blocks_per_seq, 1024, cpu, step_outputs=step)
+            replay_eagerly(decode)
+            replay_eagerly(mixed)
+            runner.decode_graphs, runner.mixed_graphs = decode, mixed
+            logprobs = LogprobGraphs(token_logprobs, step, torch.float32, 8, cpu)
+            replay_logprobs_eagerly(logprobs)
+            runner.sampler.logprob_graphs = logprobs
+            runner.block_copy_graph = BlockCopyGraph(copy_staged_blocks,
+                                                     kv_storage(runner.kv_caches), 8)
+            replay_block_copy_eagerly(runner.block_copy_graph)
+        searches = llm.beam_search(prompts, beam)
+        results.append([[(s.tokens, s.cum_logprob) for s in r.sequences] for r in searches])
+        if with_graphs:
+            assert runner.block_copy_graph.steps_copied > 5  # forks copied partial blocks
+            assert logprobs.steps_in_place > 10  # beam rows' logprobs read in place
+    for search, graph_search in zip(*results, strict=True):
+        assert [tokens for tokens, _ in search] == [tokens for tokens, _ in graph_search]
+        assert [cum for _, cum in graph_search] == pytest.approx([cum for _, cum in search],
+                                                                 abs=1e-4)
+
+
 def filled_views(layout: BufferLayout, dtype: type):
     """Named views of a buffer filled with 99, so rows the stager leaves alone stand out."""
     return layout.views(np.full(layout.size, 99, dtype))

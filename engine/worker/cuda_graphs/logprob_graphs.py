@@ -31,8 +31,8 @@ class LogprobGraphs:
         self.step = step
         self._logits = torch.zeros(top, step.vocab, dtype=dtype, device=device)
         self._tokens = torch.zeros(top, dtype=torch.int64, device=device)
-        self._graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (in place, size)
-        self._outputs: dict[tuple[bool, int], tuple[torch.Tensor, ...]] = {}
+        self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (in place, size)
+        self.outputs: dict[tuple[bool, int], tuple[torch.Tensor, ...]] = {}
         self.steps_in_place = 0  # runs that read the StepOutputs in place
 
     def capture(self, pool=None):
@@ -40,7 +40,7 @@ class LogprobGraphs:
         for in_place in (False, True):
             for size in self.sizes:
                 key = (in_place, size)
-                self._graphs[key], pool, self._outputs[key] = capture_graph(
+                self.graphs[key], pool, self.outputs[key] = capture_graph(
                     lambda: self.record(in_place, size), pool)
         return pool
 
@@ -72,5 +72,5 @@ class LogprobGraphs:
         else:
             torch.index_select(logits, 0, rows, out=self._logits[:count])
             torch.index_select(tokens, 0, rows, out=self._tokens[:count])
-        self._graphs[in_place, size].replay()
-        return tuple(out[:count] for out in self._outputs[in_place, size])
+        self.graphs[in_place, size].replay()
+        return tuple(out[:count] for out in self.outputs[in_place, size])
