@@ -151,6 +151,24 @@ STRUCTURED = PLAIN + [SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=
                                          regex="[a-z ]{200}"))]
 
 
+def eager_step_graphs(runner, max_seqs: int, max_tokens: int
+                      ) -> tuple[StepOutputs, DecodeGraphs, MixedGraphs]:
+    """A CPU runner's decode and mixed-step graphs with eager replays, writing one
+    StepOutputs, installed as capture_graphs installs them (fp32, max_model_len 1024)."""
+    cpu, model = torch.device("cpu"), runner.model
+    step = StepOutputs(max_seqs, model.config.padded_vocab_size, model.config.vocab_size,
+                       torch.float32, cpu)
+    decode = DecodeGraphs(model, runner.kv_caches, capture_sizes(max_seqs),
+                          runner.max_blocks_per_seq, runner.block_size, 1024, cpu,
+                          step_outputs=step)
+    mixed = MixedGraphs(model, runner.kv_caches, mixed_capture_sizes(max_tokens), max_seqs,
+                        runner.max_blocks_per_seq, 1024, cpu, step_outputs=step)
+    replay_eagerly(decode)
+    replay_eagerly(mixed)
+    runner.decode_graphs, runner.mixed_graphs = decode, mixed
+    return step, decode, mixed
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("params", [GREEDY, PLAIN, FILTERED, STRUCTURED],
                          ids=["greedy", "plain", "top-k", "structured"])
@@ -178,20 +196,10 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                   attention_backend="torch", async_scheduling=async_scheduling)
         runner = llm.engine.runner
         if with_graphs:
-            cpu, model = torch.device("cpu"), runner.model
-            step = StepOutputs(4, model.config.padded_vocab_size, model.config.vocab_size,
-                               torch.float32, cpu)
-            decode = DecodeGraphs(model, runner.kv_caches, capture_sizes(4),
-                                  runner.max_blocks_per_seq, runner.block_size, 1024, cpu,
-                                  step_outputs=step)
-            mixed = MixedGraphs(model, runner.kv_caches, mixed_capture_sizes(24), 4,
-                                runner.max_blocks_per_seq, 1024, cpu, step_outputs=step)
-            replay_eagerly(decode)
-            replay_eagerly(mixed)
-            runner.decode_graphs, runner.mixed_graphs = decode, mixed
+            step, decode, mixed = eager_step_graphs(runner, max_seqs=4, max_tokens=24)
             runner.sampler.masked_graphs = MaskedDrawGraphs(
                 lambda *args: masked_draws.append(args[1].shape[0]) or masked_sample(*args),
-                step, -(-model.config.vocab_size // 32), 4, cpu)
+                step, -(-runner.model.config.vocab_size // 32), 4, torch.device("cpu"))
             replay_masked_draw_eagerly(runner.sampler.masked_graphs)
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if with_graphs:
@@ -230,18 +238,8 @@ def test_beam_search_through_the_graph_paths_matches_eager_on_cpu(tiny_checkpoin
                   attention_backend="torch")
         runner = llm.engine.runner
         if with_graphs:
-            cpu, model = torch.device("cpu"), runner.model
-            step = StepOutputs(8, model.config.padded_vocab_size, model.config.vocab_size,
-                               torch.float32, cpu)
-            decode = DecodeGraphs(model, runner.kv_caches, capture_sizes(8),
-                                  runner.max_blocks_per_seq, runner.block_size, 1024, cpu,
-                                  step_outputs=step)
-            mixed = MixedGraphs(model, runner.kv_caches, mixed_capture_sizes(64), 8,
-                                runner.max_blocks_per_seq, 1024, cpu, step_outputs=step)
-            replay_eagerly(decode)
-            replay_eagerly(mixed)
-            runner.decode_graphs, runner.mixed_graphs = decode, mixed
-            logprobs = LogprobGraphs(token_logprobs, step, torch.float32, 8, cpu)
+            step, _, _ = eager_step_graphs(runner, max_seqs=8, max_tokens=64)
+            logprobs = LogprobGraphs(token_logprobs, step, torch.float32, 8, torch.device("cpu"))
             replay_logprobs_eagerly(logprobs)
             runner.sampler.logprob_graphs = logprobs
             runner.block_copy_graph = BlockCopyGraph(copy_staged_blocks,
