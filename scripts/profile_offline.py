@@ -4,14 +4,16 @@ launch, update) and, on CUDA, its device time: events recorded before and after 
 span its work on the stream (a device idle between steps does not count; one waiting inside a
 step for the host to launch the rest of it, an eager step's, does). Decode steps (one new token a row) and mixed steps (prompt chunks beside decodes) apart,
 against the run's wall time: the device's busy share says whether the host or the device sets
-the pace.
+the pace. --kernels N adds the N kernels (CPU: ops) with the most device time over the timed
+run, by torch.profiler, which sees the kernels inside CUDA graphs too.
 
-    python scripts/profile_offline.py --model gpt2 --num-prompts 1000
+    python scripts/profile_offline.py --model gpt2 --num-prompts 1000 [--kernels 15]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import contextlib
 import time
 from collections import defaultdict
 
@@ -94,6 +96,18 @@ class StepTimes:
                 "kinds": kinds}
 
 
+def top_kernels(prof, cuda: bool, n: int) -> list[dict]:
+    """The n kernels (ops on CPU) with the most device time, with their calls and share."""
+    def own_time(e) -> float:
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if own_time(e) > 0]
+    total = sum(own_time(e) for e in events)
+    events.sort(key=own_time, reverse=True)
+    return [{"name": e.key[:80], "calls": e.count, "ms": round(own_time(e) / 1e3, 1),
+             "share": round(own_time(e) / total, 3)} for e in events[:n]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2")
@@ -103,6 +117,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also list the N kernels with the most device time")
     args = parser.parse_args()
     llm = LLM(model=checkpoint_for(args.model), device=args.device,
               max_num_seqs=args.max_num_seqs,
@@ -121,12 +137,20 @@ def main() -> None:
         engine.add_request(str(i), prompt, params)
     if times.cuda:
         torch.cuda.synchronize()
+    activity = (torch.profiler.ProfilerActivity.CUDA if times.cuda
+                else torch.profiler.ProfilerActivity.CPU)
+    profiler = (torch.profiler.profile(activities=[activity]) if args.kernels
+                else contextlib.nullcontext())
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    if times.cuda:
-        torch.cuda.synchronize()
-    print(json.dumps(times.report(time.perf_counter() - start), indent=1))
+    with profiler:
+        while engine.has_unfinished_requests():
+            engine.step()
+        if times.cuda:
+            torch.cuda.synchronize()
+    report = times.report(time.perf_counter() - start)
+    if args.kernels:
+        report["kernels"] = top_kernels(profiler, times.cuda, args.kernels)
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
