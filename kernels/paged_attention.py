@@ -57,7 +57,7 @@ from kernels.store_kv import store_kv
 LOG2E = 1.4426950408889634
 # tuning knobs, module-level so scripts/bench_kernels.py --sweep can try others
 DECODE_BLOCK_N = 32
-DECODE_NUM_WARPS = 4
+DECODE_NUM_WARPS = 2  # more programs resident per SM, which a walk bound by memory needs
 DECODE_PROGRAMS_PER_SM = 4  # split until about this many programs per SM
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
