@@ -52,7 +52,8 @@ TARGETS = [  # (row name, metric, threshold, text)
     ("prefill B2 ctx1024 H12", "vs_sdpa", 1.00, "no slower than SDPA"),
     ("prefill B8 ctx1024 H12", "vs_sdpa", 1.00, "no slower than SDPA"),
 ]
-DECODE_SWEEP = [(32, 2, 4), (32, 4, 4), (64, 4, 2), (64, 4, 8), (64, 8, 4), (128, 4, 4), (128, 8, 4)]
+DECODE_SWEEP = [(32, 2, 4), (32, 4, 4), (64, 4, 2), (64, 4, 8), (64, 8, 4), (128, 4, 4),
+                (128, 8, 4)]
 PREFILL_SWEEP = [(64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 3), (64, 128, 4, 2)]
 
 
