@@ -53,8 +53,8 @@ TARGETS = [  # (row name, metric, threshold, text)
     ("prefill B2 ctx1024 H12", "vs_sdpa", 1.00, "no slower than SDPA"),
     ("prefill B8 ctx1024 H12", "vs_sdpa", 1.00, "no slower than SDPA"),
 ]
-DECODE_SWEEP = [(32, 2, 4), (32, 4, 4), (64, 4, 2), (64, 4, 8), (64, 8, 4), (128, 4, 4),
-                (128, 8, 4)]
+DECODE_SWEEP = [(32, 2, 4), (32, 4, 4), (32, 1, 4), (64, 2, 4), (64, 4, 2), (64, 4, 8),
+                (64, 8, 4), (128, 4, 4), (128, 8, 4)]
 PREFILL_SWEEP = [(64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 3), (64, 128, 4, 2)]
 
 
@@ -209,15 +209,19 @@ def op_row(name: str, elements: int, ours, ref) -> dict:
 def attention_rows() -> list[dict]:
     rows = [attention_row(f"decode B{b} ctx{c} H{h}", [1] * b, [c] * b, h)
             for b, c, h in [(64, 1024, 12), (64, 1024, 25), (1, 1024, 12), (256, 512, 12)]]
-    # the offline benchmark's decode steps: up to 256 rows, each 512-640 tokens in
-    lens = torch.randint(512, 641, (240,), generator=torch.Generator().manual_seed(0)).tolist()
-    rows.append(attention_row("decode B240 ctx512-640 H12", [1] * 240, lens, 12))
+    rows.append(offline_decode_row())
     rows += [attention_row(f"prefill B{b} ctx1024 H12", [1024] * b, [1024] * b, 12)
              for b in (2, 8)]
     rows.append(attention_row("prefill chunk 512 after 512 cached, B4 H12", [512] * 4, [1024] * 4,
                               12))
     rows.append(attention_row("verify 5 tok B64 ctx1024 H12", [5] * 64, [1024] * 64, 12))
     return rows
+
+
+def offline_decode_row(tag: str = "") -> dict:
+    """The offline benchmark's decode steps: up to 256 rows, each 512-640 tokens in."""
+    lens = torch.randint(512, 641, (240,), generator=torch.Generator().manual_seed(0)).tolist()
+    return attention_row("decode B240 ctx512-640 H12" + tag, [1] * 240, lens, 12)
 
 
 def skinny_rows() -> list[dict]:
@@ -263,6 +267,7 @@ def sweep_rows() -> list[dict]:
         tag = f" [BLOCK_N={block_n} warps={warps} per_sm={per_sm}]"
         rows += [attention_row(f"decode B{b} ctx1024 H12" + tag, [1] * b, [1024] * b, 12)
                  for b in (1, 64)]
+        rows.append(offline_decode_row(tag))
     for attr, value in saved.items():
         setattr(pa, attr, value)
     for bm, bn, warps, stages in PREFILL_SWEEP:

@@ -9,7 +9,8 @@
 #   features          scripts/bench_features.py on gpt2: issue 27's speed table; FEATURES_ARGS
 #   latency           scripts/bench_latency.py; MODELS (default gpt2,gpt2-xl), LATENCY_ARGS
 #   offline           scripts/bench_offline.py on gpt2; NUM_PROMPTS (default 1000), OFFLINE_ARGS
-#   kernels           scripts/bench_kernels.py (kernels_<device>.{json,md})
+#   kernels           scripts/bench_kernels.py (kernels_<device>.{json,md}); KERNELS_ARGS (--sweep: the
+#                     attention knobs too)
 #   profile           scripts/profile_decode.py per model in MODELS at PROFILE_BATCH (log only);
 #                     PROFILE_ARGS (e.g. --output-kind final_only --cprofile 25; --beam 4: one
 #                     beam search's steps instead)
@@ -76,7 +77,7 @@ for stage in "$@"; do
         features) python3 scripts/bench_features.py --model gpt2 --out "$dir" ${FEATURES_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s" ;;
         latency) python3 scripts/bench_latency.py --models "${MODELS:-gpt2,gpt2-xl}" --anchor .anchor/compiled_decode_anchor.py --out "$dir" ${LATENCY_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s" ;;
         offline) python3 scripts/bench_offline.py --model gpt2 --num-prompts "${NUM_PROMPTS:-1000}" --out "$dir" ${OFFLINE_ARGS:-} 2>&1 | tee "$log" | grep -v "it/s\]" ;;
-        kernels) python3 scripts/bench_kernels.py --out "$dir" 2>&1 | tee "$log" | tail -30 ;;
+        kernels) python3 scripts/bench_kernels.py --out "$dir" ${KERNELS_ARGS:-} 2>&1 | tee "$log" | tail -30 ;;
         profile) for m in ${MODELS:-gpt2 gpt2-xl}; do python3 scripts/profile_decode.py --model "$m" --batch "${PROFILE_BATCH:-1,64}" ${PROFILE_ARGS:-} 2>&1 | grep -v "it/s"; done | tee "$log" ;;
         profile-offline) for m in ${MODELS:-gpt2}; do python3 scripts/profile_offline.py --model "$m" ${PROFILE_OFFLINE_ARGS:-}; done 2>&1 | grep -v "it/s" | tee "$log" ;;
         serve) for m in ${MODELS:-gpt2}; do python3 scripts/bench_serve.py --model "$m" --out "$dir" ${SERVE_ARGS:-}; done 2>&1 | tee "$log" | grep -v "it/s" ;;
