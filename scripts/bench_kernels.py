@@ -28,6 +28,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from bench_utils import copy_bandwidth, matmul_rate
+from engine.speculative.draft_model.chain_start import slots_at
 from engine.worker.attention import (AttentionMetadata, paged_attention_reference,
                               store_kv_reference)
 from engine.worker.layers import TORCH_OPS
@@ -120,9 +121,8 @@ def paged_batch(q_lens: list[int], seq_lens: list[int], heads: int) -> dict:
 def own_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> tuple:
     """Each decode row's (k, v, slot) for the fused store: the K/V already cached at its last
     position, so storing them again leaves the cache, and the reference, unchanged."""
-    last = meta.seq_lens.long() - 1
-    blocks = meta.block_tables.long().gather(1, (last // BLOCK_SIZE)[:, None])[:, 0]
-    slots = blocks * BLOCK_SIZE + last % BLOCK_SIZE
+    last = meta.seq_lens.long()[:, None] - 1
+    slots = slots_at(meta.block_tables.long(), last, BLOCK_SIZE)[:, 0]
     heads = k_cache.shape[2]
     return (k_cache.view(-1, heads, HEAD_DIM)[slots], v_cache.view(-1, heads, HEAD_DIM)[slots],
             slots)
