@@ -22,7 +22,6 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from kernels import gemv
-from kernels.gelu import bias_gelu
 from kernels.gemv import GemvConfig, compile_gemv, gemv_add_norm_linear, gemv_linear
 from kernels.layernorm import add_layer_norm
 from kernels.quant_linear import (Weight8, quant_add_norm_linear, quant_linear,
@@ -60,7 +59,11 @@ class LinearDispatch:
             return quant_linear(x, weight.data, weight.scale, bias, gelu)
         if config is not None:
             return skinny_linear(x, weight, bias, gelu, config)
-        return bias_gelu(F.linear(x, weight), bias) if gelu else F.linear(x, weight, bias)
+        if not gelu:
+            return F.linear(x, weight, bias)
+        if x.is_cuda:  # bias + tanh-GELU in cuBLASLt's epilogue: no elementwise kernel after
+            return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+        return F.gelu(F.linear(x, weight, bias), approximate="tanh")  # CPU: torch's is erf's
 
     def add_norm_linear(self, x: torch.Tensor, residual: torch.Tensor,
                         norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float,

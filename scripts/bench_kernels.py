@@ -32,11 +32,9 @@ from engine.speculative.draft_model.chain_start import slots_at
 from engine.worker.attention import (AttentionMetadata, paged_attention_reference,
                               store_kv_reference)
 from engine.worker.layers import TORCH_OPS
-from engine.worker.layers import bias_gelu as bias_gelu_reference
 from engine.worker.layers import sample as sample_reference
 from engine.worker.triton_ops import triton_ops
 from kernels import paged_attention as pa
-from kernels.gelu import bias_gelu
 from kernels.sampling import row_sample
 from kernels.skinny_gemm import (AddNorm, skinny_add_norm_linear,
                                  skinny_add_norm_linear_reference, skinny_linear)
@@ -155,10 +153,9 @@ def attention_row(name: str, q_lens: list[int], seq_lens: list[int], heads: int)
 
 
 def elementwise_rows() -> list[dict]:
-    """LayerNorm, fused add+LayerNorm, bias+GELU and the KV store, against the torch ops."""
+    """LayerNorm, fused add+LayerNorm and the KV store, against the torch ops."""
     x, r = (torch.randn(4096, 1600, device="cuda", dtype=DTYPE) for _ in range(2))
     w, b = (torch.randn(1600, device="cuda", dtype=DTYPE) for _ in range(2))
-    h, hb = torch.randn(4096, 6400, device="cuda", dtype=DTYPE), b.repeat(4)
     k, v = (torch.randn(2048, 12, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(2))
     caches = [torch.zeros(4096, BLOCK_SIZE, 12, HEAD_DIM, device="cuda", dtype=DTYPE)
               for _ in range(4)]
@@ -176,8 +173,6 @@ def elementwise_rows() -> list[dict]:
                *both(lambda ops: ops.layer_norm(x, w, b, 1e-5))),
         op_row("add_layer_norm 4096x1600", 4 * x.numel(),
                *both(lambda ops: ops.add_layer_norm(x, r, w, b, 1e-5)[0])),
-        op_row("bias_gelu 4096x6400", 2 * h.numel(), lambda: bias_gelu(h, hb),
-               lambda: bias_gelu_reference(h, hb)),
         op_row("store_kv 2048 tok H12", 4 * k.numel(),
                lambda: store(store_kv, *caches[:2]),
                lambda: store(store_kv_reference, *caches[2:])),

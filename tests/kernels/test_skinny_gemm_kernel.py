@@ -25,6 +25,18 @@ def test_skinny_linear(dtype, n, k, m, epilogue):
     torch.testing.assert_close(out, skinny_linear_reference(x, weight, bias, gelu), **tol(dtype))
 
 
+def test_skinny_gelu_epilogue_tails():
+    """Pre-activations of +-30 and +-1e4 (exp2 overflow and underflow in gelu_tanh) come out
+    finite and as the reference's: 0 below, z above."""
+    k = 64
+    weight = torch.zeros(4, k, device=DEVICE)
+    bias = torch.tensor([-30.0, 30.0, -1e4, 1e4], device=DEVICE)
+    x = torch.randn(1, k, device=DEVICE)
+    out = skinny_linear(x, weight, bias, True)
+    torch.testing.assert_close(out, skinny_linear_reference(x, weight, bias, True))
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 5, 16])
