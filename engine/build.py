@@ -1,8 +1,8 @@
 """Puts the engine together from a config, in the order a reader follows:
 
     build_runner    load the model ─▶ size the KV cache ─▶ add speculation ─▶ capture graphs
-    build_engine_core   a runner, the speculator (its switch-off timed on the runner), the
-                        grammars of structured outputs, the core
+    build_engine_core   the grammars of structured outputs (their processes start first), a
+                        runner, the speculator (its switch-off timed on the runner), the core
 
 The only module that wires engine/worker/ and engine/speculative/ into engine/core/: the
 core and the worker know speculation only through their small protocols.
@@ -59,14 +59,23 @@ def build_engine_core(config: EngineConfig, runner=None,
                       step_times: StepTimes | None = None) -> EngineCore:
     """The core over `runner` (default: build_runner; tests pass fakes, grammars in-process).
     The switch-off decides from `step_times`, timed on a built runner's CUDA device; without
-    them every step speculates."""
-    device = None
-    if runner is None:
+    them every step speculates. Building the runner, the grammars come first: on CUDA their
+    child processes spend seconds of CPU importing xgrammar, which then overlap the model's
+    load and graph capture instead of the first requests served."""
+    if runner is not None:
+        return EngineCore(config, runner, build_speculator(config, step_times),
+                          build_grammars(config, None))
+    from engine.worker.device import resolve_device
+
+    grammars = build_grammars(config, resolve_device(config.model.device))
+    try:
         runner = build_runner(config)
         step_times = measured_step_times(config, runner)
-        device = runner.device
-    return EngineCore(config, runner, build_speculator(config, step_times),
-                      build_grammars(config, device))
+    except BaseException:
+        if isinstance(grammars, GrammarProcess):  # its children end with their sockets
+            grammars.close()
+        raise
+    return EngineCore(config, runner, build_speculator(config, step_times), grammars)
 
 
 def build_grammars(config: EngineConfig, device) -> StructuredOutputs | GrammarProcess:
