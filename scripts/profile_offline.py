@@ -1,12 +1,13 @@
 """Where an offline run's time goes, by step kind: bench_offline's workload (random prompts,
 temperature 1, ignore_eos) through LLMEngine.step(), with each step's host phases (schedule,
-launch, update) and, on CUDA, its device time: events recorded before and after its launch
-span its work on the stream (a device idle between steps does not count; one waiting inside a
-step for the host to launch the rest of it, an eager step's, does). Decode steps (one new token a row) and mixed steps (prompt chunks beside decodes) apart,
-against the run's wall time: the device's busy share says whether the host or the device sets
-the pace. --kernels N adds the N kernels (CPU: ops) with the most device time over the timed
-run, by torch.profiler, which sees the kernels inside CUDA graphs too; the profiler slows
-the host, so with it the wall time and the busy share are not the run's own.
+launch, update) and, on CUDA, its device time: events recorded before and after its launch span
+its work on the stream (a device idle between steps does not count; one waiting inside a step
+for the host to launch the rest of it, an eager step's, does). Decode steps (one new token a
+row) and mixed steps (prompt chunks beside decodes) apart, against the run's wall time: the
+device's busy share says whether the host or the device sets the pace. --kernels N adds the N
+kernels (CPU: ops) with the most device time over the timed run, by torch.profiler, which sees
+the kernels inside CUDA graphs too; the profiler slows the host, so with it the wall time and
+the busy share are not the run's own.
 
     python scripts/profile_offline.py --model gpt2 --num-prompts 1000 [--kernels 15]
 """
