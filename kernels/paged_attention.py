@@ -344,9 +344,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_
     if FUSE_STORE:  # a short step: one q tile a sequence, its queries are its new tokens
         # the cached keys end at new_start, mid-tile: the causal mask cuts the tile there
         new_start = seq_len - q_len
+        cached_end = tl.minimum(new_start, hi)
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr,
-                                      bt_row, head_off, stride_slot, lo,
-                                      tl.minimum(new_start, hi), tl.minimum(new_start, hi),
+                                      bt_row, head_off, stride_slot, lo, cached_end, cached_end,
                                       qk_scale, BLOCK_SIZE, HEAD_DIM, BLOCK_N, True)
         acc, l_i, m_i = _attend_own_keys(acc, l_i, m_i, q, q_pos, q_start, new_start, seq_len,
                                          lo, hi, k_new_ptr, v_new_ptr, slot_ptr, stride_nt,
