@@ -3,7 +3,10 @@ or two rows, the GEMV on the CUDA cores, chosen per (N, K, M, gelu, norm), with 
 a table measured on the running GPU at startup. The Triton kernels fuse bias and GELU, and for
 the pre-norm linears (QKV, FC) the residual add and LayerNorm, into one launch. An 8-bit weight
 (the engine's QuantizedWeight: `data` int8 or float8_e4m3fn [N, K], `scale` float32 [N]) takes
-the GEMV where its table says, else kernels/quant_linear.py, fused the same way. References:
+the GEMV where its table says, else kernels/quant_linear.py, fused the same way; but an fp8
+weight from `fp8_gemm_min_rows` rows on runs cuBLASLt's fp8 x fp8 GEMM (`torch._scaled_mm`,
+tensor cores) over x quantized by rows (kernels/layernorm.py, behind the add + LayerNorm where
+there is one), each row's and channel's scale and the bias in its epilogue. References:
 `engine.worker.layers.linear` and `engine.worker.layers.add_norm_linear`.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ from triton.runtime.errors import OutOfResources
 
 from kernels import gemv
 from kernels.gemv import GemvConfig, compile_gemv, gemv_add_norm_linear, gemv_linear
-from kernels.layernorm import add_layer_norm
+from kernels.layernorm import add_layer_norm, add_layer_norm_fp8, quantize_rows_fp8
 from kernels.quant_linear import (Weight8, quant_add_norm_linear, quant_linear,
                                   random_weight8)
 from kernels.skinny_gemm import (MAX_M, TILE_CANDIDATES, AddNorm, TileConfig, compile_skinny,
@@ -45,16 +48,20 @@ class LinearDispatch:
     """Callable as `linear(x, weight, bias, gelu=False)`, with `add_norm_linear` beside it;
     `wins`: shape -> the config of the kernel that beat the default path (empty: never), a
     TileConfig (skinny GEMM, 16-bit weights) or a GemvConfig. The default is cuBLAS for a
-    16-bit weight, kernels/quant_linear.py for an 8-bit one (a weight that is not a tensor)."""
+    16-bit weight, kernels/quant_linear.py for an 8-bit one (a weight that is not a tensor),
+    and the fp8 GEMM for an fp8 one at `fp8_gemm_min_rows` rows or more (None: never)."""
 
-    def __init__(self, wins: LinearWins | None = None):
+    def __init__(self, wins: LinearWins | None = None, fp8_gemm_min_rows: int | None = None):
         self.wins = wins or {}
+        self.fp8_gemm_min_rows = fp8_gemm_min_rows
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  gelu: bool = False) -> torch.Tensor:
         config = self.wins.get((weight.shape[0], weight.shape[1], x.shape[0], gelu, False))
         if isinstance(config, GemvConfig):
             return gemv_linear(x, *_operands(weight), bias, gelu, config)
+        if self._takes_fp8_gemm(x, weight):
+            return _fp8_gemm(*quantize_rows_fp8(x), weight, bias, gelu, x.dtype)
         if not isinstance(weight, torch.Tensor):
             return quant_linear(x, weight.data, weight.scale, bias, gelu)
         if config is not None:
@@ -75,12 +82,31 @@ class LinearDispatch:
         norm = AddNorm(residual, norm_weight, norm_bias, eps)
         if isinstance(config, GemvConfig):
             return gemv_add_norm_linear(x, norm, *_operands(weight), bias, gelu, config)
+        if self._takes_fp8_gemm(x, weight):
+            q, q_scale, summed = add_layer_norm_fp8(x, residual, norm_weight, norm_bias, eps)
+            return _fp8_gemm(q, q_scale, weight, bias, gelu, x.dtype), summed
         if not isinstance(weight, torch.Tensor):
             return quant_add_norm_linear(x, norm, weight.data, weight.scale, bias, gelu)
         if config is not None:
             return skinny_add_norm_linear(x, norm, weight, bias, gelu, config)
         normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
         return self(normed, weight, bias, gelu), summed
+
+
+    def _takes_fp8_gemm(self, x: torch.Tensor, weight) -> bool:
+        return (self.fp8_gemm_min_rows is not None and x.shape[0] >= self.fp8_gemm_min_rows
+                and not isinstance(weight, torch.Tensor)
+                and weight.data.dtype == torch.float8_e4m3fn)
+
+
+def _fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight, bias: torch.Tensor, gelu: bool,
+              dtype: torch.dtype) -> torch.Tensor:
+    """(q * q_scale) @ (weight.data * weight.scale).T + bias in `dtype`, then GELU(tanh) if
+    asked: q float8_e4m3fn [M, K] with its rows' scales [M, 1]; cuBLASLt applies both scales
+    and the bias to the fp32 sums (W's transpose is column-major, as it needs)."""
+    y = torch._scaled_mm(q, weight.data.t(), scale_a=q_scale, scale_b=weight.scale.view(1, -1),
+                         bias=bias, out_dtype=dtype)
+    return F.gelu(y, approximate="tanh") if gelu else y
 
 
 def _operands(weight) -> tuple[torch.Tensor, torch.Tensor | None]:

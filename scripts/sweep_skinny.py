@@ -35,14 +35,18 @@ from engine.worker.quantization import STORAGE, quantize_weight
 from kernels.gemv import GemvConfig
 from kernels.linear import (GEMV_CANDIDATES, LinearDispatch, compile_candidates, graph_ms,
                             layer_call)
-from kernels.quant_linear import compile_quant_linear, quant_add_norm_linear, quant_linear
-from kernels.skinny_gemm import TILE_CANDIDATES, AddNorm, TileConfig
+from kernels.quant_linear import (MAX_TILE_M, compile_quant_linear, quant_add_norm_linear,
+                                  quant_linear)
+from kernels.skinny_gemm import MAX_M, TILE_CANDIDATES, AddNorm, TileConfig
 
 CONFIGS = tuple(TileConfig(*knobs) for knobs in itertools.product(
     (16, 32, 64), (64, 128, 256), (2, 4, 8), (2, 4), (1, 2)))  # BN, BK, warps, stages, steps
 LAYERS = ("qkv", "o", "fc", "proj")
 QUANT_CONFIGS = tuple(TileConfig(*knobs) for knobs in itertools.product(
     (16, 32, 64), (64, 128, 256), (2, 4, 8), (3,), (2,)))
+# past MAX_TILE_M rows (a prefill's GEMM tile of LARGE_BLOCK_M rows): wider W tiles, more warps
+LARGE_QUANT_CONFIGS = tuple(TileConfig(*knobs) for knobs in itertools.product(
+    (64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4), (4,)))
 
 
 GEMV_CONFIGS = tuple(GemvConfig(*knobs) for knobs in itertools.product(
@@ -124,17 +128,18 @@ def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
         key = (n, k, m, gelu, norm)
         fp16 = min(graph_ms(layer_call(LinearDispatch(table), x, residual, ln_w, ln_b, bias,
                                        norm, gelu), weights)
-                   for table in [{}] + [{key: c} for c in TILE_CANDIDATES])
+                   for table in [{}] + [{key: c} for c in TILE_CANDIDATES if m <= MAX_M])
         args = (x, residual, ln_w, ln_b, bias, norm, gelu)
         default = graph_ms(quant_call(*args, None), qweights)
+        configs = QUANT_CONFIGS if m <= MAX_TILE_M else LARGE_QUANT_CONFIGS
         with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool, \
                 triton.AsyncCompileMode(pool, ignore_errors=True):  # compile all, then time
-            for config in QUANT_CONFIGS:
+            for config in configs:
                 compile_quant_linear(x, qweights[0].data, qweights[0].scale, bias, gelu,
                                      AddNorm(residual, ln_w, ln_b, 1e-5) if norm else None,
                                      config)
         times = sorted((_ms_if_fits(quant_call(*args, config), qweights), config)
-                       for config in QUANT_CONFIGS)
+                       for config in configs)
         best, config = times[0]
         print(f"{method} {name} N={n} K={k} M={m}: fp16 best {fp16 * 1e3:.2f} us; 8-bit "
               f"default {default * 1e3:.2f} us; best {best * 1e3:.2f} us "

@@ -46,11 +46,47 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(x + bias, approximate="tanh")
 
 
+# From this many rows on, an fp8 weight's linear quantizes its activations too and runs as an
+# fp8 x fp8 GEMM (tensor cores, kernels/linear.py); fewer rows stream the weight and keep x
+# 16-bit. 17: at 16 rows the streaming kernels still beat the fp8 GEMM plus the activations'
+# quantization on an H100 (docs/quantization.md).
+FP8_GEMM_MIN_ROWS = 17
+FP8_MAX = 448.0  # e4m3's largest finite value
+FP8_MIN_AMAX = 1e-12  # a row of zeros gets this amax: a finite scale, and its values stay 0
+
+
+def uses_fp8_gemm(rows: int, weight: torch.Tensor | QuantizedWeight) -> bool:
+    """Whether `rows` rows through `weight` take the fp8 x fp8 GEMM (W8A8, per-row scales)."""
+    return (isinstance(weight, QuantizedWeight) and weight.data.dtype == torch.float8_e4m3fn
+            and rows >= FP8_GEMM_MIN_ROWS)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q float8_e4m3fn [M, K], scale float32 [M, 1]) with x[m] ~= q[m] * scale[m]:
+    a dynamic scale per row (per token), its largest magnitude mapped to FP8_MAX."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=FP8_MIN_AMAX) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_gemm_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor
+                    ) -> torch.Tensor:
+    """x @ weight.T + bias as the fp8 GEMM computes it: both operands e4m3, products summed in
+    fp32, then each row's and each channel's scale and the bias, rounded to x's dtype once."""
+    q, scale = quantize_rows_fp8(x)
+    acc = q.float() @ weight.data.float().t()
+    return (acc * scale * weight.scale + bias.float()).to(x.dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor,
            gelu: bool = False) -> torch.Tensor:
     """x @ weight.T + bias (weight in F.linear's [out, in] layout), then GELU(tanh) if asked.
     A QuantizedWeight is dequantized to x's dtype first (kernels/quant_linear.py's kernel
-    dequantizes in registers instead)."""
+    dequantizes in registers instead), but for an fp8 one at FP8_GEMM_MIN_ROWS rows or more,
+    which quantizes x too (fp8_gemm_linear)."""
+    if uses_fp8_gemm(x.shape[0], weight):
+        y = fp8_gemm_linear(x, weight, bias)
+        return F.gelu(y, approximate="tanh") if gelu else y
     if isinstance(weight, QuantizedWeight):
         weight = weight.dequantize(x.dtype)
     return bias_gelu(F.linear(x, weight), bias) if gelu else F.linear(x, weight, bias)

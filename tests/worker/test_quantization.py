@@ -197,15 +197,24 @@ def test_cuda_kernels_and_graphs_match_the_reference_ops(checkpoint, method):
     assert equal >= MIN_GREEDY_EQUAL
 
 
-def test_a_quantized_target_verifies_its_quantized_draft(checkpoint):
+@pytest.mark.parametrize("method", METHODS)
+def test_a_quantized_target_verifies_its_quantized_draft(checkpoint, method):
     """The draft inherits the target's quantization; the target's verification decides every
-    token, so greedy output is the quantized target's own."""
+    token, so greedy output is the quantized target's own. int8 computes a row the same at any
+    step size: equal. fp8 quantizes the activations of steps of FP8_GEMM_MIN_ROWS rows or more,
+    which the verification steps are (4 tokens x 16 sequences) and plain decode steps are not
+    (16): the two runs differ only where those numbers flip a greedy choice."""
     spec = {"model": str(checkpoint), "num_speculative_tokens": 3}
-    llm = make_llm(checkpoint, quantization="fp8", speculative_config=spec)
+    llm = make_llm(checkpoint, quantization=method, speculative_config=spec)
     draft = llm.engine.core.runner.speculation.drafter.runner.model
     assert isinstance(draft.h[0].attn.c_attn, QuantizedLinear)
-    assert greedy_continuations(llm) == greedy_continuations(make_llm(checkpoint,
-                                                                      quantization="fp8"))
+    speculated = greedy_continuations(llm)
+    plain = greedy_continuations(make_llm(checkpoint, quantization=method))
+    if method == "int8":
+        assert speculated == plain
+    equal = sum(a == b for a, b in zip(speculated, plain, strict=True))
+    print(f"{method}: {equal} of {GREEDY_PROMPTS} speculated continuations equal plain decoding")
+    assert equal >= MIN_GREEDY_EQUAL
 
 
 def test_fp8_on_a_gpu_without_e4m3_is_a_clear_error(monkeypatch):
