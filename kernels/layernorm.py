@@ -20,8 +20,8 @@ from kernels.pdl import pdl_options, pdl_prologue
 
 ROWS_PER_PROGRAM = 4
 MANY_ROWS = 1024
-FP8_MAX = 448.0  # e4m3's largest finite value (engine.worker.layers.FP8_MAX)
-FP8_MIN_AMAX = 1e-12  # engine.worker.layers.FP8_MIN_AMAX: a row of zeros stays 0
+FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value (engine.worker.layers.FP8_MAX)
+FP8_MIN_AMAX = tl.constexpr(1e-12)  # engine.worker.layers.FP8_MIN_AMAX: zeros stay 0
 
 
 @triton.jit

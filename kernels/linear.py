@@ -103,9 +103,13 @@ def _fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight, bias: torch.Tensor
               dtype: torch.dtype) -> torch.Tensor:
     """(q * q_scale) @ (weight.data * weight.scale).T + bias in `dtype`, then GELU(tanh) if
     asked: q float8_e4m3fn [M, K] with its rows' scales [M, 1]; cuBLASLt applies both scales
-    and the bias to the fp32 sums (W's transpose is column-major, as it needs)."""
+    and the bias to the fp32 sums (W's transpose is column-major, as it needs). It takes no
+    bias into a float32 output on CUDA: there the bias is added after."""
+    in_epilogue = dtype != torch.float32 or not q.is_cuda
     y = torch._scaled_mm(q, weight.data.t(), scale_a=q_scale, scale_b=weight.scale.view(1, -1),
-                         bias=bias, out_dtype=dtype)
+                         bias=bias if in_epilogue else None, out_dtype=dtype)
+    if not in_epilogue:
+        y += bias
     return F.gelu(y, approximate="tanh") if gelu else y
 
 

@@ -123,12 +123,15 @@ def test_dispatch_serves_a_quantized_weight_like_the_engine_reference(method, m)
     weight = _weight(n, k, method)
     dispatch = LinearDispatch({(n, k, m, True, norm): TileConfig() for norm in (False, True)},
                               FP8_GEMM_MIN_ROWS)
+    # Hopper's fp8 MMAs sum in less than fp32's precision: ~1e-4 relative on an H100
+    close = ({"atol": 2e-3, "rtol": 2e-3} if method == "fp8" and m >= FP8_GEMM_MIN_ROWS
+             and not INTERPRET else tol(torch.float32))
     torch.testing.assert_close(dispatch(x, weight, bias, True),
-                               linear_reference(x, weight, bias, True), **tol(torch.float32))
+                               linear_reference(x, weight, bias, True), **close)
     out, summed = dispatch.add_norm_linear(x, residual, ln_w, ln_b, 1e-5, weight, bias, True)
     expected, expected_sum = add_norm_linear_reference(x, residual, ln_w, ln_b, 1e-5, weight,
                                                        bias, True)
-    torch.testing.assert_close(out, expected, **tol(torch.float32))
+    torch.testing.assert_close(out, expected, **close)
     torch.testing.assert_close(summed, expected_sum, **tol(torch.float32))
 
 
@@ -182,7 +185,9 @@ def test_fp8_gemm_mlp_replays_in_a_cuda_graph_like_the_reference(dtype, m):
                                          [x, residual])
     expected, expected_sum = mlp(linear_reference, add_norm_linear_reference)
     assert torch.equal(summed, expected_sum)
-    torch.testing.assert_close(out, expected, atol=5e-2, rtol=5e-2)
+    # a hidden value one e4m3 step apart moves an output by up to ~0.1 (bf16, 200 rows: 2 of
+    # 320k elements past 0.05 on an H100)
+    torch.testing.assert_close(out, expected, atol=1e-1, rtol=5e-2)
     weight_only = quant_linear(quant_add_norm_linear_reference(
         x, AddNorm(residual, ln_w, ln_b, 1e-5), fc.data, fc.scale, fc_bias, True)[0],
         proj.data, proj.scale, proj_bias)
