@@ -11,7 +11,10 @@ the norm fused in it also times the add + LayerNorm kernel followed by the plain
 
 With --quantization, the 8-bit kernel (kernels/quant_linear.py) instead: its default tile
 (tile_shape) and each config, against the 16-bit layer's best (cuBLAS or a startup-table
-skinny config); GB/s counts the 8-bit weight bytes.
+skinny config); GB/s counts the 8-bit weight bytes. fp8 from FP8_GEMM_MIN_ROWS rows also times
+the engine's route there, the fp8 GEMM (kernels/linear.py).
+
+    python scripts/sweep_skinny.py --quantization fp8 --widths 1600 --m 17,64,256,512
 
 With --gemv, the GEMV (kernels/gemv.py, M <= 2) over GEMV_CONFIGS against the default path
 (cuBLAS, or quant_linear for 8-bit weights) and the startup table's GEMV candidates (--json
@@ -31,6 +34,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from engine.worker.layers import FP8_GEMM_MIN_ROWS
 from engine.worker.quantization import STORAGE, quantize_weight
 from kernels.gemv import GemvConfig
 from kernels.linear import (GEMV_CANDIDATES, LinearDispatch, compile_candidates, graph_ms,
@@ -131,6 +135,11 @@ def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
                    for table in [{}] + [{key: c} for c in TILE_CANDIDATES if m <= MAX_M])
         args = (x, residual, ln_w, ln_b, bias, norm, gelu)
         default = graph_ms(quant_call(*args, None), qweights)
+        route = ""
+        if method == "fp8" and m >= FP8_GEMM_MIN_ROWS:  # what the engine runs there
+            route_ms = graph_ms(layer_call(LinearDispatch(None, FP8_GEMM_MIN_ROWS), x, residual,
+                                           ln_w, ln_b, bias, norm, gelu), qweights)
+            route = f"fp8 GEMM route {route_ms * 1e3:.2f} us; "
         configs = QUANT_CONFIGS if m <= MAX_TILE_M else LARGE_QUANT_CONFIGS
         with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool, \
                 triton.AsyncCompileMode(pool, ignore_errors=True):  # compile all, then time
@@ -141,7 +150,7 @@ def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
         times = sorted((_ms_if_fits(quant_call(*args, config), qweights), config)
                        for config in configs)
         best, config = times[0]
-        print(f"{method} {name} N={n} K={k} M={m}: fp16 best {fp16 * 1e3:.2f} us; 8-bit "
+        print(f"{method} {name} N={n} K={k} M={m}: fp16 best {fp16 * 1e3:.2f} us; {route}8-bit "
               f"default {default * 1e3:.2f} us; best {best * 1e3:.2f} us "
               f"({n * k / best / 1e6:.0f} GB/s) {tuple(config)}; next "
               + ", ".join(f"{t * 1e3:.2f} {tuple(c)}" for t, c in times[1:6]), flush=True)
