@@ -50,7 +50,7 @@ QUANT_CONFIGS = tuple(TileConfig(*knobs) for knobs in itertools.product(
     (16, 32, 64), (64, 128, 256), (2, 4, 8), (3,), (2,)))
 # past MAX_TILE_M rows (a prefill's GEMM tile of LARGE_BLOCK_M rows): wider W tiles, more warps
 LARGE_QUANT_CONFIGS = tuple(TileConfig(*knobs) for knobs in itertools.product(
-    (64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4), (4,)))
+    (64, 128), (32, 64, 128), (4, 8), (3, 4), (4,)))
 
 
 GEMV_CONFIGS = tuple(GemvConfig(*knobs) for knobs in itertools.product(
