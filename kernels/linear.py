@@ -92,7 +92,6 @@ class LinearDispatch:
         normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
         return self(normed, weight, bias, gelu), summed
 
-
     def _takes_fp8_gemm(self, x: torch.Tensor, weight) -> bool:
         return (self.fp8_gemm_min_rows is not None and x.shape[0] >= self.fp8_gemm_min_rows
                 and not isinstance(weight, torch.Tensor)

@@ -86,3 +86,11 @@ def test_quantize_rows_fp8_keeps_a_row_of_zeros_zero():
     q, scale = quantize_rows_fp8(x)
     assert torch.equal(q[0].float(), torch.zeros(64, device=DEVICE))
     assert q[1, 3].float() == -448 and torch.isfinite(scale).all()
+
+
+def test_the_kernels_fp8_constants_are_the_references():
+    """kernels/ imports nothing from engine/, so the LayerNorm kernel keeps its own copies."""
+    import kernels.layernorm as kernel
+    import engine.worker.layers as reference
+    assert kernel.FP8_MAX.value == reference.FP8_MAX
+    assert kernel.FP8_MIN_AMAX.value == reference.FP8_MIN_AMAX
