@@ -107,7 +107,7 @@ def _fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight, bias: torch.Tensor
     in_epilogue = dtype != torch.float32 or not q.is_cuda
     y = torch._scaled_mm(q, weight.data.t(), scale_a=q_scale, scale_b=weight.scale.view(1, -1),
                          bias=bias if in_epilogue else None, out_dtype=dtype)
-    if not in_epilogue:
+    if not in_epilogue and bias is not None:
         y += bias
     return F.gelu(y, approximate="tanh") if gelu else y
 

@@ -69,13 +69,13 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-def fp8_gemm_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor
+def fp8_gemm_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
                     ) -> torch.Tensor:
     """x @ weight.T + bias as the fp8 GEMM computes it: both operands e4m3, products summed in
     fp32, then each row's and each channel's scale and the bias, rounded to x's dtype once."""
     q, scale = quantize_rows_fp8(x)
-    acc = q.float() @ weight.data.float().t()
-    return (acc * scale * weight.scale + bias.float()).to(x.dtype)
+    y = q.float() @ weight.data.float().t() * scale * weight.scale
+    return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor,

@@ -128,6 +128,8 @@ def test_dispatch_serves_a_quantized_weight_like_the_engine_reference(method, m)
              and not INTERPRET else tol(torch.float32))
     torch.testing.assert_close(dispatch(x, weight, bias, True),
                                linear_reference(x, weight, bias, True), **close)
+    torch.testing.assert_close(dispatch(x, weight, None), linear_reference(x, weight, None),
+                               **close)
     out, summed = dispatch.add_norm_linear(x, residual, ln_w, ln_b, 1e-5, weight, bias, True)
     expected, expected_sum = add_norm_linear_reference(x, residual, ln_w, ln_b, 1e-5, weight,
                                                        bias, True)
