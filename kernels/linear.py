@@ -4,9 +4,10 @@ a table measured on the running GPU at startup. The Triton kernels fuse bias and
 the pre-norm linears (QKV, FC) the residual add and LayerNorm, into one launch. An 8-bit weight
 (the engine's QuantizedWeight: `data` int8 or float8_e4m3fn [N, K], `scale` float32 [N]) takes
 the GEMV where its table says, else kernels/quant_linear.py, fused the same way; but an fp8
-weight from `fp8_gemm_min_rows` rows on runs cuBLASLt's fp8 x fp8 GEMM (`torch._scaled_mm`,
-tensor cores) over x quantized by rows (kernels/layernorm.py, behind the add + LayerNorm where
-there is one), each row's and channel's scale and the bias in its epilogue. References:
+weight where the engine's rule says (`uses_fp8_gemm`: from 17 rows) runs cuBLASLt's fp8 x fp8
+GEMM (`torch._scaled_mm`, tensor cores) over x quantized by rows (kernels/layernorm.py, behind
+the add + LayerNorm where there is one), each row's and channel's scale and the bias in its
+epilogue. References:
 `engine.worker.layers.linear` and `engine.worker.layers.add_norm_linear`.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -49,18 +50,20 @@ class LinearDispatch:
     `wins`: shape -> the config of the kernel that beat the default path (empty: never), a
     TileConfig (skinny GEMM, 16-bit weights) or a GemvConfig. The default is cuBLAS for a
     16-bit weight, kernels/quant_linear.py for an 8-bit one (a weight that is not a tensor),
-    and the fp8 GEMM for an fp8 one at `fp8_gemm_min_rows` rows or more (None: never)."""
+    and the fp8 GEMM for an fp8 one where `uses_fp8_gemm(rows, weight)` (the engine's rule,
+    engine.worker.layers.uses_fp8_gemm, which its reference ops follow too; None: never)."""
 
-    def __init__(self, wins: LinearWins | None = None, fp8_gemm_min_rows: int | None = None):
+    def __init__(self, wins: LinearWins | None = None,
+                 uses_fp8_gemm: Callable[[int, object], bool] | None = None):
         self.wins = wins or {}
-        self.fp8_gemm_min_rows = fp8_gemm_min_rows
+        self.uses_fp8_gemm = uses_fp8_gemm
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  gelu: bool = False) -> torch.Tensor:
         config = self.wins.get((weight.shape[0], weight.shape[1], x.shape[0], gelu, False))
         if isinstance(config, GemvConfig):
             return gemv_linear(x, *_operands(weight), bias, gelu, config)
-        if self._takes_fp8_gemm(x, weight):
+        if self.uses_fp8_gemm is not None and self.uses_fp8_gemm(x.shape[0], weight):
             return _fp8_gemm(*quantize_rows_fp8(x), weight, bias, gelu, x.dtype)
         if not isinstance(weight, torch.Tensor):
             return quant_linear(x, weight.data, weight.scale, bias, gelu)
@@ -82,7 +85,7 @@ class LinearDispatch:
         norm = AddNorm(residual, norm_weight, norm_bias, eps)
         if isinstance(config, GemvConfig):
             return gemv_add_norm_linear(x, norm, *_operands(weight), bias, gelu, config)
-        if self._takes_fp8_gemm(x, weight):
+        if self.uses_fp8_gemm is not None and self.uses_fp8_gemm(x.shape[0], weight):
             q, q_scale, summed = add_layer_norm_fp8(x, residual, norm_weight, norm_bias, eps)
             return _fp8_gemm(q, q_scale, weight, bias, gelu, x.dtype), summed
         if not isinstance(weight, torch.Tensor):
@@ -91,11 +94,6 @@ class LinearDispatch:
             return skinny_add_norm_linear(x, norm, weight, bias, gelu, config)
         normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
         return self(normed, weight, bias, gelu), summed
-
-    def _takes_fp8_gemm(self, x: torch.Tensor, weight) -> bool:
-        return (self.fp8_gemm_min_rows is not None and x.shape[0] >= self.fp8_gemm_min_rows
-                and not isinstance(weight, torch.Tensor)
-                and weight.data.dtype == torch.float8_e4m3fn)
 
 
 def _fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight, bias: torch.Tensor, gelu: bool,

@@ -11,7 +11,7 @@ the norm fused in it also times the add + LayerNorm kernel followed by the plain
 
 With --quantization, the 8-bit kernel (kernels/quant_linear.py) instead: its default tile
 (tile_shape) and each config, against the 16-bit layer's best (cuBLAS or a startup-table
-skinny config); GB/s counts the 8-bit weight bytes. fp8 from FP8_GEMM_MIN_ROWS rows also times
+skinny config); GB/s counts the 8-bit weight bytes. fp8 where the engine takes its fp8 GEMM also times
 the engine's route there, the fp8 GEMM (kernels/linear.py).
 
     python scripts/sweep_skinny.py --quantization fp8 --widths 1600 --m 17,64,256,512
@@ -34,7 +34,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from engine.worker.layers import FP8_GEMM_MIN_ROWS
+from engine.worker.layers import uses_fp8_gemm
 from engine.worker.quantization import STORAGE, quantize_weight
 from kernels.gemv import GemvConfig
 from kernels.linear import (GEMV_CANDIDATES, LinearDispatch, compile_candidates, graph_ms,
@@ -136,8 +136,8 @@ def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
         args = (x, residual, ln_w, ln_b, bias, norm, gelu)
         default = graph_ms(quant_call(*args, None), qweights)
         route = ""
-        if method == "fp8" and m >= FP8_GEMM_MIN_ROWS:  # what the engine runs there
-            route_ms = graph_ms(layer_call(LinearDispatch(None, FP8_GEMM_MIN_ROWS), x, residual,
+        if uses_fp8_gemm(m, qweights[0]):  # what the engine runs there
+            route_ms = graph_ms(layer_call(LinearDispatch(None, uses_fp8_gemm), x, residual,
                                            ln_w, ln_b, bias, norm, gelu), qweights)
             route = f"fp8 GEMM route {route_ms * 1e3:.2f} us; "
         configs = QUANT_CONFIGS if m <= MAX_TILE_M else LARGE_QUANT_CONFIGS

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from engine.worker.attention import AttentionMetadata
-from engine.worker.layers import FP8_GEMM_MIN_ROWS, LinearShape, Ops
+from engine.worker.layers import LinearShape, Ops, uses_fp8_gemm
 from engine.worker.quantization import STORAGE
 from engine.worker.startup import StartupCache, device_key, source_hash
 from kernels.block_copy import copy_staged_blocks
@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 def triton_ops(linear_wins: LinearWins | None = None) -> Ops:
     """Fused Triton ops; linears take the skinny GEMM or the GEMV, in its config, where
     linear_wins says (None: cuBLAS for every 16-bit linear, quant_linear for every 8-bit one),
-    and fp8 weights the fp8 GEMM from FP8_GEMM_MIN_ROWS rows on, as the reference ops do."""
-    linear = LinearDispatch(linear_wins, FP8_GEMM_MIN_ROWS)
+    and fp8 weights the fp8 GEMM where uses_fp8_gemm says, as in the reference ops."""
+    linear = LinearDispatch(linear_wins, uses_fp8_gemm)
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                add_norm_linear=linear.add_norm_linear, sample=row_sample,
                masked_sample=masked_row_sample, token_logprobs=token_logprobs,

@@ -3,7 +3,7 @@ x tile with split-K, several M tiles, the fused add + LayerNorm, and (CUDA) a ca
 import pytest
 import torch
 
-from engine.worker.layers import FP8_GEMM_MIN_ROWS
+from engine.worker.layers import FP8_GEMM_MIN_ROWS, uses_fp8_gemm
 from engine.worker.layers import add_norm_linear as add_norm_linear_reference
 from engine.worker.layers import linear as linear_reference
 from engine.worker.quantization import quantize_weight
@@ -122,7 +122,7 @@ def test_dispatch_serves_a_quantized_weight_like_the_engine_reference(method, m)
     ln_w, ln_b, bias = (torch.randn(d, device=DEVICE) for d in (k, k, n))
     weight = _weight(n, k, method)
     dispatch = LinearDispatch({(n, k, m, True, norm): TileConfig() for norm in (False, True)},
-                              FP8_GEMM_MIN_ROWS)
+                              uses_fp8_gemm)
     # Hopper's fp8 MMAs sum in less than fp32's precision: ~1e-4 relative on an H100
     close = ({"atol": 2e-3, "rtol": 2e-3} if method == "fp8" and m >= FP8_GEMM_MIN_ROWS
              and not INTERPRET else tol(torch.float32))
@@ -177,7 +177,7 @@ def test_fp8_gemm_mlp_replays_in_a_cuda_graph_like_the_reference(dtype, m):
         (0.1 * torch.randn(k, device=DEVICE)).to(dtype)
     fc, proj = _weight(n, k, "fp8"), _weight(k, n, "fp8")
     fc_bias, proj_bias = (torch.randn(d, device=DEVICE, dtype=dtype) for d in (n, k))
-    dispatch = LinearDispatch(None, FP8_GEMM_MIN_ROWS)
+    dispatch = LinearDispatch(None, uses_fp8_gemm)
 
     def mlp(ops_linear, ops_add_norm_linear):
         hidden, summed = ops_add_norm_linear(x, residual, ln_w, ln_b, 1e-5, fc, fc_bias, True)
