@@ -11,8 +11,8 @@ the norm fused in it also times the add + LayerNorm kernel followed by the plain
 
 With --quantization, the 8-bit kernel (kernels/quant_linear.py) instead: its default tile
 (tile_shape) and each config, against the 16-bit layer's best (cuBLAS or a startup-table
-skinny config); GB/s counts the 8-bit weight bytes. fp8 where the engine takes its fp8 GEMM also times
-the engine's route there, the fp8 GEMM (kernels/linear.py).
+skinny config); GB/s counts the 8-bit weight bytes. fp8 at the rows where the engine takes
+its fp8 GEMM (kernels/linear.py) also times that route.
 
     python scripts/sweep_skinny.py --quantization fp8 --widths 1600 --m 17,64,256,512
 
