@@ -63,9 +63,9 @@ class LinearDispatch:
         config = self.wins.get((weight.shape[0], weight.shape[1], x.shape[0], gelu, False))
         if isinstance(config, GemvConfig):
             return gemv_linear(x, *_operands(weight), bias, gelu, config)
-        if self.uses_fp8_gemm is not None and self.uses_fp8_gemm(x.shape[0], weight):
-            return _fp8_gemm(*quantize_rows_fp8(x), weight, bias, gelu, x.dtype)
         if not isinstance(weight, torch.Tensor):
+            if self._takes_fp8_gemm(x, weight):
+                return _fp8_gemm(*quantize_rows_fp8(x), weight, bias, gelu, x.dtype)
             return quant_linear(x, weight.data, weight.scale, bias, gelu)
         if config is not None:
             return skinny_linear(x, weight, bias, gelu, config)
@@ -85,15 +85,20 @@ class LinearDispatch:
         norm = AddNorm(residual, norm_weight, norm_bias, eps)
         if isinstance(config, GemvConfig):
             return gemv_add_norm_linear(x, norm, *_operands(weight), bias, gelu, config)
-        if self.uses_fp8_gemm is not None and self.uses_fp8_gemm(x.shape[0], weight):
-            q, q_scale, summed = add_layer_norm_fp8(x, residual, norm_weight, norm_bias, eps)
-            return _fp8_gemm(q, q_scale, weight, bias, gelu, x.dtype), summed
         if not isinstance(weight, torch.Tensor):
+            if self._takes_fp8_gemm(x, weight):
+                q, q_scale, summed = add_layer_norm_fp8(x, residual, norm_weight, norm_bias,
+                                                        eps)
+                return _fp8_gemm(q, q_scale, weight, bias, gelu, x.dtype), summed
             return quant_add_norm_linear(x, norm, weight.data, weight.scale, bias, gelu)
         if config is not None:
             return skinny_add_norm_linear(x, norm, weight, bias, gelu, config)
         normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
         return self(normed, weight, bias, gelu), summed
+
+    def _takes_fp8_gemm(self, x: torch.Tensor, weight) -> bool:
+        """An 8-bit `weight` over x's rows takes the fp8 GEMM: the engine's rule says so."""
+        return self.uses_fp8_gemm is not None and self.uses_fp8_gemm(x.shape[0], weight)
 
 
 def _fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight, bias: torch.Tensor, gelu: bool,
