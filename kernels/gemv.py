@@ -84,15 +84,36 @@ def _row_stats(x_ptr, res_ptr, sum_ptr, rows, M, K, stride_xm, write_sum,
 def _x_slice(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, rows, offs_k, k_ok, M, stride_xm, mean, rstd,
              NORM: tl.constexpr):
     """[BLOCK_M, BK] fp32 slice of x, or of LayerNorm(x + residual) rounded to x's dtype."""
+    s, gamma, beta = x_operands(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, rows, offs_k, k_ok, M,
+                                stride_xm, NORM)
+    return normed_slice(s, gamma, beta, mean, rstd, x_ptr.dtype.element_ty, NORM)
+
+
+@triton.jit
+def x_operands(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, rows, offs_k, k_ok, M, stride_xm,
+               NORM: tl.constexpr):
+    """The loads of one K slice: (x, or with NORM s = x + residual, as [BLOCK_M, BK] fp32;
+    gamma, beta [BK] fp32, zeros without NORM); zeros outside rows < M and k_ok."""
     offs = rows[:, None] * stride_xm + offs_k[None, :]
     ok = (rows < M)[:, None] & k_ok[None, :]
     if NORM:
         s = _sum_rows(x_ptr, res_ptr, offs, ok)
         gamma = tl.load(ln_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         beta = tl.load(ln_b_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        return s, gamma, beta
+    zeros = tl.zeros(offs_k.shape, tl.float32)
+    return tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32), zeros, zeros
+
+
+@triton.jit
+def normed_slice(s, gamma, beta, mean, rstd, dtype: tl.constexpr, NORM: tl.constexpr):
+    """x_operands' slice as the linear multiplies it: x, or LayerNorm(s) rounded to dtype (as
+    the unfused add + LayerNorm kernel's output is). Masked columns (gamma = beta = 0) give 0;
+    rows past M are finite and never stored."""
+    if NORM:
         normed = (s - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
-        return tl.where(ok, normed, 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
-    return tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        return normed.to(dtype).to(tl.float32)
+    return s
 
 
 @triton.jit

@@ -95,8 +95,27 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     hi = tl.minimum(seq_len, lo + tokens_per_split)
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + seq * stride_qb + head * stride_qh + dims).to(tl.float32) * qk_scale
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_off = head * stride_ch
+    new_off = seq * stride_nb + head * stride_nh + dims
+    o, lse = attend_split(q, k_new_ptr + new_off, v_new_ptr + new_off, slot_ptr + seq, seq_len,
+                          lo, hi, k_cache_ptr, v_cache_ptr,
+                          block_tables_ptr + seq.to(tl.int64) * stride_bt, head * stride_ch,
+                          stride_slot, BLOCK_SIZE, HEAD_DIM, BLOCK_N, FUSE_STORE)
+    finish_split(o, lse, out_ptr + seq * stride_ob + head * stride_oh + dims, part_out_ptr,
+                 part_lse_ptr, counter_ptr, seq * tl.num_programs(1) + head, split,
+                 tl.num_programs(2), SPLIT, HEAD_DIM, MAX_SPLITS)
+
+
+@triton.jit
+def attend_split(q, k_new_ptrs, v_new_ptrs, slot_ptr, seq_len, lo, hi, k_cache_ptr, v_cache_ptr,
+                 bt_row, head_off, stride_slot, BLOCK_SIZE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, FUSE_STORE: tl.constexpr):
+    """One query (q [HEAD_DIM] fp32, the scale and log2(e) folded in) over context positions
+    [lo, hi) of one (sequence, head): returns (o [HEAD_DIM] fp32, lse), o normalised over the
+    range and lse its log2-sum-exp (-inf for an empty range, whose o is zeros). With
+    FUSE_STORE the new token's K/V (seq_len - 1) come from k_new_ptrs / v_new_ptrs, and the
+    range holding that position stores them at the slot (unless -1), so no program reads a
+    slot another writes."""
+    dims = tl.arange(0, HEAD_DIM)
     # per-lane state: row j of every tile keeps its own running max / sum / accumulator, so the
     # loop needs no cross-warp reduction; the BLOCK_N lanes are merged once after it
     m_i = tl.full([BLOCK_N], float("-inf"), tl.float32)
@@ -104,12 +123,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     last = seq_len - 1  # the new token's position
     if FUSE_STORE:
-        # the new K/V come from registers; the program whose range holds `last` stores them
-        # (unless padding), so no program reads a slot another writes
-        new_off = seq * stride_nb + head * stride_nh + dims
-        k_new = tl.load(k_new_ptr + new_off)
-        v_new = tl.load(v_new_ptr + new_off)
-        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        k_new = tl.load(k_new_ptrs)
+        v_new = tl.load(v_new_ptrs)
+        slot = tl.load(slot_ptr).to(tl.int64)
         if (slot >= 0) & (lo <= last) & (last < hi):
             tl.store(k_cache_ptr + slot * stride_slot + head_off + dims, k_new)
             tl.store(v_cache_ptr + slot * stride_slot + head_off + dims, v_new)
@@ -144,20 +160,27 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     l_sum = tl.sum(l_i * w, axis=0)
     l_safe = tl.where(l_sum > 0, l_sum, 1.0)
     o = tl.sum(acc * w[:, None], axis=0) / l_safe  # an empty range (or seq_len 0) gives zeros
-    out_ptrs = out_ptr + seq * stride_ob + head * stride_oh + dims
+    return o, tl.where(l_sum > 0, m + tl.log2(l_safe), float("-inf"))
+
+
+@triton.jit
+def finish_split(o, lse, out_ptrs, part_out_ptr, part_lse_ptr, counter_ptr, pair, split,
+                 num_splits, SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 MAX_SPLITS: tl.constexpr):
+    """Without SPLIT, store o at out_ptrs. With it, store split `split`'s partial (o, lse) of
+    (sequence, head) pair `pair`; the last of its num_splits to arrive merges them into
+    out_ptrs and resets the pair's counter."""
+    dims = tl.arange(0, HEAD_DIM)
     if SPLIT:
-        num_splits = tl.num_programs(2)
-        pair = seq * tl.num_programs(1) + head
         tl.store(part_out_ptr + (pair * num_splits + split) * HEAD_DIM + dims, o)
-        tl.store(part_lse_ptr + pair * num_splits + split,
-                 tl.where(l_sum > 0, m + tl.log2(l_safe), float("-inf")))
+        tl.store(part_lse_ptr + pair * num_splits + split, lse)
         if arrive_last(counter_ptr + pair, num_splits):
             o = _merge_partials(part_out_ptr, part_lse_ptr, pair * num_splits, num_splits,
                                 HEAD_DIM, MAX_SPLITS)
             reset_counter(counter_ptr + pair)
-            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty))
+            tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty))
     else:
-        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty))
 
 
 @triton.jit

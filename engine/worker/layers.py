@@ -264,6 +264,11 @@ class Ops:
     copy_staged_blocks: Callable[[torch.Tensor, torch.Tensor], None]
     # gather_tokens(prev, own, source, num_prev) -> a graph step's input ids
     gather_tokens: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+    # decode_block(block, hidden, residual, kv_cache, meta) -> (hidden, residual): a whole
+    # model Block in one launch, for decode steps of at most decode_block_rows rows (0: none;
+    # the model then runs its blocks op by op)
+    decode_block: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    decode_block_rows: int = 0
 
 
 TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,

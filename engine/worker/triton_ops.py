@@ -3,13 +3,16 @@ Only this module and engine/speculative/draft_model/chain_start.py import kernel
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
+from torch import nn
 
 from engine.worker.attention import AttentionMetadata
 from engine.worker.layers import LinearShape, Ops, uses_fp8_gemm
 from engine.worker.quantization import STORAGE
 from engine.worker.startup import StartupCache, device_key, source_hash
+from kernels import decode_layer
 from kernels.block_copy import copy_staged_blocks
 from kernels.gather_tokens import gather_tokens
 from kernels.gemv import GemvConfig
@@ -28,10 +31,35 @@ def triton_ops(linear_wins: LinearWins | None = None) -> Ops:
     linear_wins says (None: cuBLAS for every 16-bit linear, quant_linear for every 8-bit one),
     and fp8 weights the fp8 GEMM where uses_fp8_gemm says, as in the reference ops."""
     linear = LinearDispatch(linear_wins, uses_fp8_gemm)
+    one_launch_blocks = os.environ.get("GPT2_SERVE_DECODE_LAYER", "1") != "0"
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                add_norm_linear=linear.add_norm_linear, sample=row_sample,
                masked_sample=masked_row_sample, token_logprobs=token_logprobs,
-               copy_staged_blocks=copy_staged_blocks, gather_tokens=gather_tokens)
+               copy_staged_blocks=copy_staged_blocks, gather_tokens=gather_tokens,
+               decode_block=decode_block if one_launch_blocks else None,
+               decode_block_rows=decode_layer.MAX_ROWS if one_launch_blocks else 0)
+
+
+def decode_block(block: nn.Module, hidden: torch.Tensor, residual: torch.Tensor,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.worker.models.gpt2.Block's forward for a decode step of at most
+    decode_layer.MAX_ROWS rows, in one launch (kernels/decode_layer.py)."""
+    weights = decode_layer.BlockWeights(
+        (block.ln_1.weight, block.ln_1.bias), _linear(block.attn.c_attn),
+        _linear(block.attn.c_proj), (block.ln_2.weight, block.ln_2.bias),
+        _linear(block.mlp.c_fc), _linear(block.mlp.c_proj), block.ln_1.eps)
+    kv = decode_layer.PagedKV(*kv_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping)
+    return decode_layer.decode_layer(hidden, residual, weights, kv, block.attn.n_head,
+                                     block.attn.scale)
+
+
+def _linear(module: nn.Module) -> decode_layer.Linear:
+    """An nn.Linear or a QuantizedLinear as the kernel takes it."""
+    weight = module.weight
+    if isinstance(weight, torch.Tensor):
+        return decode_layer.Linear(weight, None, module.bias)
+    return decode_layer.Linear(weight.data, weight.scale, module.bias)
 
 
 def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],

@@ -8,6 +8,9 @@ embedding enters as the first branch and the position embedding as the first res
                 fc, residual = add_ln_2_c_fc_gelu(hidden, residual); hidden = mlp.c_proj(fc)
     out, _ = add_ln_f(hidden, residual)
 
+A decode step of few rows runs each block in one launch where the ops have one
+(`ops.decode_block`, kernels/decode_layer.py), with the same inputs and results.
+
 Weights use F.linear's [out, in] layout (HF's Conv1D stores [in, out]; the loader transposes).
 With quantization on, the blocks' four linears are QuantizedLinears (engine/worker/
 quantization.py, after the load): their `weight` is a QuantizedWeight, which `ops` takes as it
@@ -169,8 +172,13 @@ class GPT2(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, n_embd]."""
         hidden, residual = self.wte(input_ids), self.wpe(positions)
+        one_launch = (meta.is_decode_only
+                      and input_ids.shape[0] == meta.num_seqs <= self.ops.decode_block_rows)
         for block, kv_cache in zip(self.h, kv_caches, strict=True):
-            hidden, residual = block(hidden, residual, kv_cache, meta)
+            if one_launch:
+                hidden, residual = self.ops.decode_block(block, hidden, residual, kv_cache, meta)
+            else:
+                hidden, residual = block(hidden, residual, kv_cache, meta)
         ln_f = self.ln_f
         return self.ops.add_layer_norm(hidden, residual, ln_f.weight, ln_f.bias, ln_f.eps)[0]
 
