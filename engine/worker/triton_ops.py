@@ -31,7 +31,9 @@ def triton_ops(linear_wins: LinearWins | None = None) -> Ops:
     linear_wins says (None: cuBLAS for every 16-bit linear, quant_linear for every 8-bit one),
     and fp8 weights the fp8 GEMM where uses_fp8_gemm says, as in the reference ops."""
     linear = LinearDispatch(linear_wins, uses_fp8_gemm)
-    one_launch_blocks = os.environ.get("GPT2_SERVE_DECODE_LAYER", "1") != "0"
+    # opt in: on an H100 one launch a block is faster for gpt2 and slower for gpt2-xl
+    # (docs/performance.md), so the default stays op by op until a startup measurement picks
+    one_launch_blocks = os.environ.get("GPT2_SERVE_DECODE_LAYER", "0") == "1"
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                add_norm_linear=linear.add_norm_linear, sample=row_sample,
                masked_sample=masked_row_sample, token_logprobs=token_logprobs,
