@@ -46,26 +46,23 @@ from kernels.arrival_counters import counters_for
 from kernels.device_info import num_sms
 from kernels.gemv import _row_stats, normed_slice, widen_to_f32, x_operands
 from kernels.paged_attention import LOG2E, attend_split, finish_split
-from kernels.pdl import pdl_options, pdl_prologue_loading_prefetching, prefetch_l2
+from kernels.pdl import pdl_options, pdl_prologue_loading
 from kernels.skinny_gemm import _epilogue
 
 MAX_ROWS = 2  # as the GEMV: beyond, M FMAs a weight and M accumulators
 MAX_NORM_K = 4096  # the widest row a program normalises in registers (GPT-2: 1600)
 MAX_SPLITS = 16  # attention splits of one (row, head): enough for 132 SMs at one head
 MAX_WARPS_PER_SM = 8  # 8 warps x 32 threads x 255 registers fit an SM's 65536
-MIN_PREFETCH_BYTES = tl.constexpr(32 << 10)  # a bulk L2 prefetch's smallest piece: few, large requests
 ALL_PHASES = 0b11111  # PHASES (one bit a phase) of the launch with barriers
 
 
 class DecodeLayerConfig(NamedTuple):
     """Weights a program loads per K step (its rows x the K step), warps a program, the
-    attention phase's key tile, whether each program asks L2 for its rows of the phases ahead
-    (`_prefetch_rows`), and programs per SM: at most MAX_WARPS_PER_SM warps in all, so that
-    every program is resident at once whatever its registers (255 a thread at most)."""
+    attention phase's key tile, and programs per SM: at most MAX_WARPS_PER_SM warps in all, so
+    that every program is resident at once whatever its registers (255 a thread at most)."""
     tile_elements: int = 8192
     num_warps: int = 4
     attention_block_n: int = 32
-    l2_prefetch: bool = False
     programs_per_sm: int = 2
 
 
@@ -125,26 +122,6 @@ def _weight_tile(w_ptr, step, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
     cols = step * BLOCK_K + tl.arange(0, BLOCK_K)
     return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
                    mask=(rows < hi)[:, None] & (cols < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _row_chunks(w_ptr, N, K, CHUNKS: tl.constexpr):
-    """This program's rows of W [N, K], one contiguous byte range, as CHUNKS (addresses,
-    sizes) for prefetch_l2, pieces of MIN_PREFETCH_BYTES or more (the rest of size 0). CHUNKS
-    = the program's threads: an element each, so no request is duplicated."""
-    lo, hi = _row_range(N)
-    first = (w_ptr + lo.to(tl.int64) * K).to(tl.int64)
-    nbytes = tl.maximum((w_ptr + hi.to(tl.int64) * K).to(tl.int64) - first, 0)
-    chunk = tl.maximum(tl.cdiv(nbytes, CHUNKS * 16) * 16, MIN_PREFETCH_BYTES)
-    offs = tl.arange(0, CHUNKS).to(tl.int64) * chunk
-    return first + offs, tl.minimum(tl.maximum(nbytes - offs, 0), chunk).to(tl.int32)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, N, K, PREFETCH: tl.constexpr, CHUNKS: tl.constexpr):
-    if PREFETCH:
-        addresses, sizes = _row_chunks(w_ptr, N, K, CHUNKS)
-        prefetch_l2(addresses, sizes)
 
 
 @triton.jit
@@ -234,6 +211,20 @@ def _grid_barrier(counter_ptr, number):
 
 
 @triton.jit
+def _tile_then_barrier(w, w_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       barrier_ptr, number, BARRIERS: tl.constexpr):
+    """With BARRIERS: load this program's first K step of the next phase's W [N, K], then
+    wait at barrier `number` (the load overlaps the wait) and return the tile. Without: the
+    launch runs one phase, whose tile is the entry tile w."""
+    if BARRIERS:
+        tile = _weight_tile(w_ptr, 0, N, K, BLOCK_N, BLOCK_K)
+        _grid_barrier(barrier_ptr, number)
+    else:
+        tile = w
+    return tile
+
+
+@triton.jit
 def _leave(counter_ptr, barriers):
     """After the last barrier: the last program out zeroes the counter for the next launch
     (every other program has passed its last wait by then)."""
@@ -255,26 +246,16 @@ def _decode_layer_kernel(
         O_N: tl.constexpr, O_K: tl.constexpr, FC_N: tl.constexpr, FC_K: tl.constexpr,
         PROJ_N: tl.constexpr, PROJ_K: tl.constexpr, NORM_K: tl.constexpr,
         SCALED: tl.constexpr, PHASES: tl.constexpr, BARRIERS: tl.constexpr,
-        PREFETCH: tl.constexpr, CHUNKS: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr):
-    w = pdl_prologue_loading_prefetching(
-        USE_PDL, EARLY, _first_rows(entry_w_ptr, entry_n, entry_k, ENTRY_N),
-        _first_ok(entry_n, ENTRY_N), tl.arange(0, ENTRY_K), entry_k, PREFETCH,
-        *_row_chunks(entry_w_ptr, entry_n, entry_k, CHUNKS))
+        EARLY: tl.constexpr, USE_PDL: tl.constexpr):
+    w = pdl_prologue_loading(USE_PDL, EARLY, _first_rows(entry_w_ptr, entry_n, entry_k, ENTRY_N),
+                             _first_ok(entry_n, ENTRY_N), tl.arange(0, ENTRY_K), entry_k)
     barrier_ptr = counter_ptr + M * HEADS  # after the attention pairs' arrival counters
-    # each linear phase's rows are asked of L2 a phase or two ahead (module doc); without
-    # BARRIERS the launch runs one phase, which takes the entry tile w
-    if BARRIERS:
-        _prefetch_rows(o_w_ptr, D, D, PREFETCH, CHUNKS)
+    # without BARRIERS the launch runs one phase, which takes the entry tile w
     if PHASES & 1:
         _linear_phase(w, hidden_ptr, residual_ptr, ln1_w_ptr, ln1_b_ptr, s1_ptr, eps, qkv_w_ptr,
                       qkv_s_ptr, qkv_b_ptr, qkv_ptr, M, 3 * D, D, False, SCALED, True, BLOCK_M,
                       QKV_N, QKV_K, NORM_K)
-    if BARRIERS:
-        _prefetch_rows(fc_w_ptr, INNER, D, PREFETCH, CHUNKS)
-        w_o = _weight_tile(o_w_ptr, 0, D, D, O_N, O_K)
-        _grid_barrier(barrier_ptr, 1)
-    else:
-        w_o = w
+    w_o = _tile_then_barrier(w, o_w_ptr, D, D, O_N, O_K, barrier_ptr, 1, BARRIERS)
     if PHASES & 2:
         _attention_phase(qkv_ptr, attn_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                          seq_lens_ptr, slot_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
@@ -286,21 +267,13 @@ def _decode_layer_kernel(
         _linear_phase(w_o, attn_ptr, attn_ptr, ln1_w_ptr, ln1_b_ptr, s1_ptr, eps, o_w_ptr,
                       o_s_ptr, o_b_ptr, o_ptr, M, D, D, False, SCALED, False, BLOCK_M, O_N, O_K,
                       NORM_K)
-    if BARRIERS:
-        _prefetch_rows(proj_w_ptr, D, INNER, PREFETCH, CHUNKS)
-        w_fc = _weight_tile(fc_w_ptr, 0, INNER, D, FC_N, FC_K)
-        _grid_barrier(barrier_ptr, 3)
-    else:
-        w_fc = w
+    w_fc = _tile_then_barrier(w, fc_w_ptr, INNER, D, FC_N, FC_K, barrier_ptr, 3, BARRIERS)
     if PHASES & 8:
         _linear_phase(w_fc, o_ptr, s1_ptr, ln2_w_ptr, ln2_b_ptr, res_out_ptr, eps, fc_w_ptr,
                       fc_s_ptr, fc_b_ptr, fc_ptr, M, INNER, D, True, SCALED, True, BLOCK_M,
                       FC_N, FC_K, NORM_K)
-    if BARRIERS:
-        w_proj = _weight_tile(proj_w_ptr, 0, D, INNER, PROJ_N, PROJ_K)
-        _grid_barrier(barrier_ptr, 4)
-    else:
-        w_proj = w
+    w_proj = _tile_then_barrier(w, proj_w_ptr, D, INNER, PROJ_N, PROJ_K, barrier_ptr, 4,
+                                BARRIERS)
     if PHASES & 16:
         _linear_phase(w_proj, fc_ptr, fc_ptr, ln2_w_ptr, ln2_b_ptr, s1_ptr, eps, proj_w_ptr,
                       proj_s_ptr, proj_b_ptr, out_ptr, M, D, INNER, False, SCALED, False,
@@ -356,9 +329,7 @@ def decode_layer(hidden: torch.Tensor, residual: torch.Tensor, block: BlockWeigh
             QKV_K=tiles[0][1], O_N=tiles[1][0], O_K=tiles[1][1], FC_N=tiles[2][0],
             FC_K=tiles[2][1], PROJ_N=tiles[3][0], PROJ_K=tiles[3][1],
             NORM_K=triton.next_power_of_2(d), SCALED=scaled, PHASES=phases,
-            BARRIERS=phases == ALL_PHASES,
-            PREFETCH=config.l2_prefetch and not interpreted, CHUNKS=32 * config.num_warps,
-            EARLY=True, num_warps=config.num_warps, **pdl_options(hidden.device))
+            BARRIERS=phases == ALL_PHASES, EARLY=True, num_warps=config.num_warps, **pdl_options(hidden.device))
     return out, res_out
 
 

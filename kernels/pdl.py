@@ -72,7 +72,9 @@ def pdl_prologue_prefetching(USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, row_
     of row_ptrs: read-only data (weights), 16-byte aligned, row_bytes a multiple of 16."""
     _launch_dependents(USE_PDL)
     if PREFETCH:
-        prefetch_l2(row_ptrs.to(tl.int64), row_bytes)
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
+                                  "=r,l,r", [row_ptrs.to(tl.int64), row_bytes], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     _wait_for_previous(USE_PDL)
 
 
@@ -91,34 +93,6 @@ def pdl_prologue_loading(USE_PDL: tl.constexpr, LOAD: tl.constexpr, row_ptrs, ro
         tile = tl.zeros(ptrs.shape, ptrs.dtype.element_ty)
     _wait_for_previous(USE_PDL)
     return tile
-
-
-@triton.jit
-def pdl_prologue_loading_prefetching(USE_PDL: tl.constexpr, LOAD: tl.constexpr, row_ptrs,
-                                     row_ok, cols, end, PREFETCH: tl.constexpr, addresses,
-                                     sizes):
-    """pdl_prologue_loading, and before the wait (if PREFETCH) prefetch_l2(addresses, sizes):
-    more read-only data asked for while the kernel before this one still runs."""
-    _launch_dependents(USE_PDL)
-    if PREFETCH:
-        prefetch_l2(addresses, sizes)
-    ptrs = row_ptrs[:, None] + cols[None, :]
-    if LOAD:
-        tile = tl.load(ptrs, mask=row_ok[:, None] & (cols < end)[None, :], other=0.0)
-    else:
-        tile = tl.zeros(ptrs.shape, ptrs.dtype.element_ty)
-    _wait_for_previous(USE_PDL)
-    return tile
-
-
-@triton.jit
-def prefetch_l2(addresses, sizes):
-    """One bulk L2 prefetch of sizes[i] bytes at addresses[i] (int64) for each i, none where
-    sizes[i] is 0; both 16-byte multiples."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; } mov.u32 $0, 0;",
-        "=r,l,r", [addresses, sizes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -87,15 +87,21 @@ def test_decode_layer_matches_the_reference_block(config, dtype, method, seq_len
         torch.testing.assert_close(cache, ref, equal_nan=True, **_tol(dtype, method))
 
 
+def _fp16_case(seq_len: int, rows: int):
+    """A random fp16 block, one sequence of seq_len tokens decoding, and `rows` rows of
+    (hidden, residual)."""
+    block = _block(torch.float16, None)
+    batch = make_paged_batch([1], [seq_len], 16, torch.float16, num_heads=NUM_HEADS)
+    hidden, residual = (torch.randn(rows, NUM_HEADS * HEAD_DIM, device=DEVICE).half()
+                        for _ in range(2))
+    return block, batch, hidden, residual
+
+
 def test_a_padding_row_stores_nothing():
     """A graph's padding row (slot -1, no context) leaves the cache as it was; the real row's
     output is unaffected by it."""
-    dtype = torch.float16
-    block = _block(dtype, None)
-    batch = make_paged_batch([1], [20], 16, dtype, num_heads=NUM_HEADS)
+    block, batch, hidden, residual = _fp16_case(20, 2)
     meta = batch.meta
-    d = NUM_HEADS * HEAD_DIM
-    hidden, residual = (torch.randn(2, d, device=DEVICE).to(dtype) for _ in range(2))
     tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables)])
     seq_lens = torch.tensor([20, 0], dtype=torch.int32, device=DEVICE)
     slots = torch.cat([meta.slot_mapping, torch.full_like(meta.slot_mapping, -1)])
@@ -116,12 +122,8 @@ def test_a_padding_row_stores_nothing():
 
 @pytest.mark.skipif(INTERPRET, reason="the barriers and graphs run on CUDA only")
 def test_decode_layer_in_a_graph_replays_on_new_inputs():
-    dtype = torch.float16
-    block = _block(dtype, None)
-    batch = make_paged_batch([1], [300], 16, dtype, num_heads=NUM_HEADS)
+    block, batch, hidden, residual = _fp16_case(300, 1)
     meta = batch.meta
-    d = NUM_HEADS * HEAD_DIM
-    hidden, residual = (torch.randn(1, d, device=DEVICE).to(dtype) for _ in range(2))
     kv = PagedKV(batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens,
                  meta.slot_mapping)
     weights = _weights(block)
@@ -130,5 +132,5 @@ def test_decode_layer_in_a_graph_replays_on_new_inputs():
         [hidden, residual])
     expected_out, expected_res = block(hidden, residual, (batch.k_cache.clone(),
                                                           batch.v_cache.clone()), meta)
-    torch.testing.assert_close(res, expected_res, **_tol(dtype, None))
-    torch.testing.assert_close(out, expected_out, **_tol(dtype, None))
+    torch.testing.assert_close(res, expected_res, **_tol(torch.float16, None))
+    torch.testing.assert_close(out, expected_out, **_tol(torch.float16, None))
