@@ -19,11 +19,13 @@ def _refresh_outputs(graphs, size: int) -> None:
 
 def replay_eagerly(graphs) -> None:
     """Give a graph set on CPU eager replays, as capture would give it graphs: one per size
-    (and the follower's)."""
+    (and the follower's, and a decode set's block copies')."""
     for size in graphs.sizes:
         graphs.graphs[size] = _EagerReplay(partial(_refresh_outputs, graphs, size))
         if graphs.follower is not None:
             graphs.follow_graphs[size] = _EagerReplay(partial(graphs.follow, size))
+    if getattr(graphs, "block_copy", None) is not None:
+        replay_block_copy_eagerly(graphs.block_copy)
 
 
 def replay_block_copy_eagerly(graph) -> None:

@@ -97,7 +97,8 @@ class ModelRunner:
         all writing their logits and draws into one StepOutputs; each graph runs the
         speculation's follower over the step's inputs too, if it has one. Then the masked
         draw's, the logprobs' and the block copies' graphs (structured outputs' rows after a
-        graph's draw; rows asking for logprobs; forked beams), in a pool of their own."""
+        graph's draw; rows asking for logprobs; forked beams in steps other than decode
+        steps, whose graphs make their copies), in a pool of their own."""
         sched, plan, start, pool = self.config.scheduler, self.graph_plan, time.perf_counter(), None
         follower, cfg = self.speculation.follower, self.model.config
         step = StepOutputs(plan.max_sample_rows, cfg.padded_vocab_size, cfg.vocab_size,
@@ -110,7 +111,8 @@ class ModelRunner:
             pool = self.mixed_graphs.capture()
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, plan.decode_sizes,
                                           self.max_blocks_per_seq, self.block_size,
-                                          sched.max_model_len, self.device, follower, step)
+                                          sched.max_model_len, self.device, follower, step,
+                                          self.model.ops.copy_staged_blocks, sched.max_num_seqs)
         self.decode_graphs.capture(pool)
         self.sampler.masked_graphs = MaskedDrawGraphs(
             self.model.ops.masked_sample, step, -(-cfg.vocab_size // 32), sched.max_num_seqs,
@@ -149,18 +151,20 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_on(self, out: SchedulerOutput, kv_caches: list[KVCache]) -> PendingStep:
         """launch() into the given caches (KV sizing's worst-case step runs on a scratch
-        one), after the step's block copies."""
-        if out.block_copies:
-            self._copy_blocks(kv_caches, out.block_copies)
+        one), after the step's block copies (a decode step's graphs make them)."""
+        decode = self._is_decode_step(out)
+        copies = out.block_copies
+        if copies and not (decode and self.decode_graphs.takes_copies(copies)):
+            self._copy_blocks(kv_caches, copies)
+            copies = ()
         sources = [s.prev_sample_row for s in out.sequences]
         if self._continues_plain_decode(out, sources):
-            return self._launch_plain_decode(out, sources)
+            return self._launch_plain_decode(out, sources, copies)
         to_sample = [s for s in out.sequences if s.sample]
         plan = self.speculation.plan(out, to_sample)
         draw_inputs = self.sampler.draw_inputs(plan.sample_rows)
-        decode = self._is_decode_step(out)
         logits, drawn, prompt_logprobs = self._forward(out, sources, decode, draw_inputs,
-                                                       kv_caches, plan)
+                                                       kv_caches, plan, copies)
         self._last_step = LaunchedStep(out.step_id, None)
         self._plain_decode = None
         if decode and is_plain_but_masked(to_sample):
@@ -195,17 +199,19 @@ class ModelRunner:
         return (last is not None and self.speculation is NO_SPECULATION
                 and continues_plain_decode(last, out, sources, self.decode_graphs.max_batch))
 
-    def _launch_plain_decode(self, out: SchedulerOutput, sources: list[int]) -> PendingStep:
+    def _launch_plain_decode(self, out: SchedulerOutput, sources: list[int],
+                             copies: tuple[tuple[int, int], ...]) -> PendingStep:
         """launch_on for a step that _continues_plain_decode: its draw inputs, staging and
         constrained rows come from the last step's rows by index
         (Sampler.continued_draw_inputs, DecodeStager.write_continued) and its tokens are the
-        graph's own draws, the constrained rows drawn again once their mask is given."""
+        graph's own draws, the constrained rows drawn again once their mask is given.
+        `copies`: block copies left for the graphs to make."""
         seqs, last = out.sequences, self._plain_decode
         src = np.array(sources, dtype=np.int64)
         draw_inputs, seeded = self.sampler.continued_draw_inputs(seqs, src, last.temperature,
                                                                   last.seeded)
         logits, drawn = self.decode_graphs.run(seqs, sources, self._prev_sampled(out, sources),
-                                               draw_inputs, continued=src)
+                                               draw_inputs, continued=src, block_copies=copies)
         constrained = last.constrained[src]
         self._plain_decode = PlainDecode(out.step_id, draw_inputs[0], seeded, constrained)
         pending = PendingStep([s.request_id for s in seqs], None)
@@ -241,20 +247,23 @@ class ModelRunner:
         return sampled
 
     def _forward(self, out: SchedulerOutput, sources: list[int], decode: bool,
-                 draw_inputs: DrawInputs, kv_caches: list[KVCache], plan: StepPlan
+                 draw_inputs: DrawInputs, kv_caches: list[KVCache], plan: StepPlan,
+                 copies: tuple[tuple[int, int], ...]
                  ) -> tuple[torch.Tensor, torch.Tensor | None, PromptLogprobsOutput | None]:
         """Logits of the sampling rows in the model's dtype (`draw_inputs` are theirs), plus
         each one's draw when a graph made it, and the step's prompt logprobs, if it has
         PromptLogprobsJobs: they read every row's final hidden state, the eager forward's
         result or the mixed-step graph's static output of it, right after its replay.
-        Graphs run on the cache they captured; decode steps never have prompt logprobs."""
+        Graphs run on the cache they captured; decode steps never have prompt logprobs.
+        `copies`: block copies left for the decode graphs to make (none in other steps)."""
         if out.is_empty:
             return torch.empty(0, self.model.config.vocab_size, dtype=self.dtype,
                                device=self.device), None, None
         seqs = out.sequences
         prev_tokens = self._prev_sampled(out, sources)
         if decode:  # _is_decode_step
-            return *self.decode_graphs.run(seqs, sources, prev_tokens, draw_inputs), None
+            return *self.decode_graphs.run(seqs, sources, prev_tokens, draw_inputs,
+                                           block_copies=copies), None
         host = prepare_host_inputs(seqs, self.block_size, self.max_blocks_per_seq)
         write_drafts = plan.write_drafts(host)
         if self.mixed_graphs is not None and self.mixed_graphs.fits(host):

@@ -82,7 +82,7 @@ def test_graph_logprobs_and_beam_search_equal_eager(tiny_checkpoint):
         searches = llm.beam_search(prompts[:2], beam)
         runner = llm.engine.runner
         if not eager:  # forks copied their blocks in the graph; beam rows' logprobs in place
-            assert runner.block_copy_graph.steps_copied > 0
+            assert runner.decode_graphs.block_copy.steps_copied > 0
             assert runner.sampler.logprob_graphs.steps_in_place > 0
         results.append(([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs],
                          [[(s.tokens, s.cum_logprob) for s in r.sequences] for r in searches]))
@@ -151,16 +151,21 @@ STRUCTURED = PLAIN + [SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=
                                          regex="[a-z ]{200}"))]
 
 
-def eager_step_graphs(runner, max_seqs: int, max_tokens: int
+def eager_step_graphs(runner, max_seqs: int, max_tokens: int, copy_blocks: bool = False
                       ) -> tuple[StepOutputs, DecodeGraphs, MixedGraphs]:
     """A CPU runner's decode and mixed-step graphs with eager replays, writing one
-    StepOutputs, installed as capture_graphs installs them (fp32, max_model_len 1024)."""
+    StepOutputs, installed as capture_graphs installs them (fp32, max_model_len 1024); with
+    `copy_blocks`, the decode graphs make their steps' block copies."""
+    from engine.worker.layers import copy_staged_blocks
+
     cpu, model = torch.device("cpu"), runner.model
     step = StepOutputs(max_seqs, model.config.padded_vocab_size, model.config.vocab_size,
                        torch.float32, cpu)
     decode = DecodeGraphs(model, runner.kv_caches, capture_sizes(max_seqs),
                           runner.max_blocks_per_seq, runner.block_size, 1024, cpu,
-                          step_outputs=step)
+                          step_outputs=step,
+                          copy_staged_blocks=copy_staged_blocks if copy_blocks else None,
+                          max_copies=max_seqs)
     mixed = MixedGraphs(model, runner.kv_caches, mixed_capture_sizes(max_tokens), max_seqs,
                         runner.max_blocks_per_seq, 1024, cpu, step_outputs=step)
     replay_eagerly(decode)
@@ -219,8 +224,9 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
 @pytest.mark.slow
 def test_beam_search_through_the_graph_paths_matches_eager_on_cpu(tiny_checkpoint, monkeypatch):
     """Beam steps through eager stand-ins of the step graphs, of the logprobs' graphs (which
-    read the beams' rows in the StepOutputs in place) and of the block-copy graph (the forks'
-    copies) give the eager engine's searches."""
+    read the beams' rows in the StepOutputs in place) and of the block-copy graphs (the forks'
+    copies: staged with a decode step's inputs, or on their own in other steps) give the
+    eager engine's searches."""
     from engine.beam_search import BeamSearchParams
     from engine.worker.block_copy import kv_storage
     from engine.worker.cuda_graphs import BlockCopyGraph, LogprobGraphs
@@ -229,8 +235,12 @@ def test_beam_search_through_the_graph_paths_matches_eager_on_cpu(tiny_checkpoin
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
     rng = random.Random(5)
-    prompts = [[rng.randrange(50256) for _ in range(rng.randint(3, 30))] for _ in range(2)]
-    beam = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    # the long prompt's chunks share steps with the others' forks: those steps are not decode
+    # steps, and copy through the runner's own block-copy graph (2 beams each: the three
+    # searches fit the 8 sequences at once)
+    prompts = [[rng.randrange(50256) for _ in range(n)] for n in (rng.randint(3, 30),
+                                                                  rng.randint(3, 30), 150)]
+    beam = BeamSearchParams(beam_width=2, max_tokens=12, ignore_eos=True)
     results = []
     for with_graphs in (False, True):
         llm = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", max_num_seqs=8,
@@ -238,7 +248,8 @@ def test_beam_search_through_the_graph_paths_matches_eager_on_cpu(tiny_checkpoin
                   attention_backend="torch")
         runner = llm.engine.runner
         if with_graphs:
-            step, _, _ = eager_step_graphs(runner, max_seqs=8, max_tokens=64)
+            step, decode, _ = eager_step_graphs(runner, max_seqs=8, max_tokens=64,
+                                                copy_blocks=True)
             logprobs = LogprobGraphs(token_logprobs, step, torch.float32, 8, torch.device("cpu"))
             replay_logprobs_eagerly(logprobs)
             runner.sampler.logprob_graphs = logprobs
@@ -247,8 +258,9 @@ def test_beam_search_through_the_graph_paths_matches_eager_on_cpu(tiny_checkpoin
             replay_block_copy_eagerly(runner.block_copy_graph)
         searches = llm.beam_search(prompts, beam)
         results.append([[(s.tokens, s.cum_logprob) for s in r.sequences] for r in searches])
-        if with_graphs:
-            assert runner.block_copy_graph.steps_copied > 5  # forks copied partial blocks
+        if with_graphs:  # forks copied partial blocks, in decode steps with their inputs
+            assert decode.block_copy.steps_copied > 5
+            assert runner.block_copy_graph.steps_copied > 0  # and in the long prompt's steps
             assert logprobs.steps_in_place > 10  # beam rows' logprobs read in place
     for search, graph_search in zip(*results, strict=True):
         assert [tokens for tokens, _ in search] == [tokens for tokens, _ in graph_search]

@@ -18,6 +18,8 @@ import torch
 
 from engine.core.batch import ScheduledSequence
 from engine.worker.attention import AttentionMetadata
+from engine.worker.block_copy import kv_storage
+from engine.worker.cuda_graphs.block_copy_graph import BlockCopyGraph, stage_pairs
 from engine.worker.cuda_graphs.buffers import BufferLayout, stage_draw_inputs
 from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, MakeStager, StepOutputs
 from engine.worker.sampler import DrawInputs
@@ -36,9 +38,10 @@ class OneTokenGraphs(GraphSet):
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: tuple[int, ...],
                  max_model_len: int, device: torch.device,
                  meta_layout: Callable[[int], BufferLayout], make_stager: MakeStager,
-                 follower: Follower | None = None, step_outputs: StepOutputs | None = None):
+                 follower: Follower | None = None, step_outputs: StepOutputs | None = None,
+                 copy_pairs: int = 0):
         super().__init__(model, kv_caches, sizes, meta_layout(sizes[-1]), device, make_stager,
-                         follower, step_outputs)
+                         follower, step_outputs, copy_pairs)
         self.max_model_len = max_model_len
         self.query_start_loc = torch.arange(sizes[-1] + 1, dtype=torch.int32, device=device)
 
@@ -59,28 +62,45 @@ class OneTokenGraphs(GraphSet):
 
 
 class DecodeGraphs(OneTokenGraphs):
+    """With `copy_staged_blocks` (Ops') and `max_copies`, a step's block copies (forked beams')
+    travel in its inputs' `block_copies` segment and are made by a BlockCopyGraph over it,
+    replayed before the step's graph: no copy of their own."""
+
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: tuple[int, ...],
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
                  device: torch.device, follower: Follower | None = None,
-                 step_outputs: StepOutputs | None = None):
+                 step_outputs: StepOutputs | None = None,
+                 copy_staged_blocks: Callable | None = None, max_copies: int = 0):
         super().__init__(model, kv_caches, sizes, max_model_len, device,
                          lambda rows: decode_meta_layout(rows, max_blocks_per_seq),
                          lambda tokens, meta: DecodeStager(tokens, meta, block_size), follower,
-                         step_outputs)
+                         step_outputs, max_copies if copy_staged_blocks else 0)
         first, second = (staging.stager for staging in self._staging)
         first.peer, second.peer = second, first  # the mirrors take turns: one holds the last step
         self.steps_continued = 0  # steps staged by DecodeStager.write_continued
+        self.block_copy = None if copy_staged_blocks is None else BlockCopyGraph(
+            copy_staged_blocks, kv_storage(kv_caches), max_copies, self.tokens.block_copies)
 
     def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._logits_and_draws(self._hidden(size))
 
+    def capture(self, pool=None):
+        pool = super().capture(pool)
+        return pool if self.block_copy is None else self.block_copy.capture(pool)
+
+    def takes_copies(self, copies: tuple[tuple[int, int], ...]) -> bool:
+        """Whether `run` makes these block copies (before the step's forward)."""
+        return self.block_copy is not None and len(copies) <= self.block_copy.max_pairs
+
     def run(self, seqs: list[ScheduledSequence], sources: list[int],
             prev_tokens: torch.Tensor | None, draw_inputs: DrawInputs,
-            continued: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            continued: np.ndarray | None = None,
+            block_copies: tuple[tuple[int, int], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """sources[i] >= 0: sequence i's placeholder's row in prev_tokens. `continued`: the
         same sources as an array, when the last replay of these graphs was the step just
         before and every row continues one of its rows (DecodeStager.write_continued).
-        Returns logits [B, vocab] and drawn tokens [B], valid until the next replay."""
+        `block_copies`: the step's, if any (takes_copies). Returns logits [B, vocab] and drawn
+        tokens [B], valid until the next replay."""
         batch = len(seqs)
         size = self.size_for(batch)
         def stage(stager: DecodeStager) -> None:
@@ -88,9 +108,12 @@ class DecodeGraphs(OneTokenGraphs):
                 stager.write(seqs, size, sources, draw_inputs)
             else:
                 stager.write_continued(seqs, size, sources, continued, draw_inputs)
+            if block_copies:
+                stage_pairs(stager.tokens.block_copies, block_copies)
 
         self.steps_continued += continued is not None
-        self._replay(size, stage, prev_tokens, size)
+        self._replay(size, stage, prev_tokens, size,
+                     self.block_copy.replay if block_copies else None)
         logits, drawn = self.outputs[size]
         return logits[:batch], drawn[:batch]
 
