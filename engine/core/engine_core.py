@@ -76,6 +76,8 @@ class EngineCore:
         self._completed: list[Request] = []  # ended by their grammar, to be reported
         self.failed: list[SequenceFailed] = []  # sequences ended by the core, to be reported
         self._in_flight = None  # (SchedulerOutput, pending result) of the launched step
+        # step id -> its constrained rows, as (index in the runner's output, seq id)
+        self._mask_rows: dict[int, list[tuple[int, str]]] = {}
         self._num_sent: dict[str, int] = {}  # seq id -> output tokens already reported
 
     def add(self, request: CoreRequest) -> None:
@@ -159,10 +161,14 @@ class EngineCore:
 
     def _request_mask(self, launched) -> None:
         """A launched step with constrained rows asks for their mask: every step before it
-        has been applied, so the grammars have taken every token before its rows'."""
+        has been applied, so the grammars have taken every token before its rows'. The
+        pending step names those rows (`constrained_rows`: their indices among its sampled
+        rows), so the work here grows with them, not with the batch."""
         if launched is not None and getattr(launched[1], "needs_mask", False):
-            self.grammars.request_mask([s.request_id for s in launched[0].sequences
-                                        if s.sample and s.params.structured_outputs])
+            pending = launched[1]
+            rows = [(i, pending.request_ids[i]) for i in pending.constrained_rows]
+            self._mask_rows[launched[0].step_id] = rows
+            self.grammars.request_mask([seq_id for _, seq_id in rows])
 
     def _sample_masked(self, pending) -> None:
         """A step waiting for its mask samples under it; the constraints completed by then
@@ -189,12 +195,13 @@ class EngineCore:
         grammars have this step's tokens, before the update, so that it fills meanwhile."""
         self._sample_masked(pending)
         result = pending.wait()
-        if self._constrained:
-            self._advance_sampled(scheduled.step_id, result)
+        mask_rows = self._mask_rows.pop(scheduled.step_id, None)
+        if mask_rows:
+            self._advance_sampled(scheduled.step_id, mask_rows, result)
         self._request_mask(launched)
         changed = self.scheduler.update(scheduled, result)
         if self._constrained:  # constrained sequences are running
-            self._release_finished_grammars(changed)
+            self._release_finished_grammars()
         if self._completed:
             changed += self._completed
             self._completed = []
@@ -238,18 +245,20 @@ class EngineCore:
         self.scheduler.finished_beam_searches.clear()
         return outputs
 
-    def _advance_sampled(self, step_id: int, result) -> None:
+    def _advance_sampled(self, step_id: int, rows: list[tuple[int, str]], result) -> None:
         """The matchers take the step's tokens that its update will append, before it runs:
-        every token a constrained request gains (it never has drafts: one token a row)."""
+        every token a constrained request gains (it never has drafts: one token a row), read
+        at the `rows` its mask was asked for."""
         constrained, applies = self._constrained, self.scheduler.applies_token
-        for seq_id, token in zip(result.request_ids, result.sampled_token_ids):
+        for row, seq_id in rows:
             if seq_id in constrained and applies(step_id, seq_id):
-                self.grammars.advance(seq_id, [token])
+                self.grammars.advance(seq_id, [result.sampled_token_ids[row]])
 
-    def _release_finished_grammars(self, changed: list[Request]) -> None:
-        for request in changed:
-            if request.status.is_finished and request.request_id in self._constrained:
-                self._release_grammar(request.request_id)
+    def _release_finished_grammars(self) -> None:
+        """Release the matchers of constrained sequences that have ended (the scheduler
+        forgets a request as it finishes)."""
+        for seq_id in [s for s in self._constrained if s not in self.scheduler.requests]:
+            self._release_grammar(seq_id)
 
     def _release_grammar(self, seq_id: str) -> None:
         if seq_id in self._constrained:

@@ -10,7 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -174,7 +174,9 @@ class ModelRunner:
         if to_sample:  # else prompt chunks only: nothing to sample
             pending.sample_with = functools.partial(self._sample, out.step_id, logits, plan,
                                                     draw_inputs, drawn)
-            if not any(s.params.structured_outputs for s in to_sample):
+            pending.constrained_rows = [i for i, s in enumerate(to_sample)
+                                        if s.params.structured_outputs]
+            if not pending.constrained_rows:
                 pending.sample(None)
         return pending
 
@@ -217,9 +219,10 @@ class ModelRunner:
         pending = PendingStep([s.request_id for s in seqs], None)
         if constrained.any():
             self._last_step = LaunchedStep(out.step_id, None)
+            rows = np.flatnonzero(constrained)
             pending.sample_with = functools.partial(
-                self._sample_masked_rows, out.step_id, seqs, np.flatnonzero(constrained),
-                logits, draw_inputs, drawn)
+                self._sample_masked_rows, out.step_id, seqs, rows, logits, draw_inputs, drawn)
+            pending.constrained_rows = rows.tolist()
             return pending
         pending.sampled = SamplerOutput(drawn, [], [])
         pending.sampled.begin_host_copy()
@@ -352,6 +355,8 @@ class PendingStep:
     sampled: SamplerOutput | None
     sample_with: Callable[[GrammarMask | None], SamplerOutput] | None = None
     prompt_logprobs: PromptLogprobsOutput | None = None  # the step had PromptLogprobsJobs
+    # indices into request_ids of the rows with structured outputs, which the mask covers
+    constrained_rows: list[int] = field(default_factory=list)
 
     @property
     def needs_mask(self) -> bool:
