@@ -77,7 +77,7 @@ def bench_structured(llm: LLM, prompts: Prompts, repeats: int = 3) -> dict:
         rates.append(sum(lengths) / seconds)
         free_rates.append(sum(lengths) / free_seconds)
         ratios.append(rates[-1] / free_rates[-1])
-    mixed = _one_in_eight(llm, prompts)
+    mixed = _one_in_eight(llm, prompts, repeats)
     return {"schema_streams": 64, "repeats": repeats, "output_tokens": tokens,
             "valid_outputs": valid, "constrained_tok_s": statistics.median(rates),
             "free_tok_s": statistics.median(free_rates),
@@ -170,14 +170,17 @@ def main() -> None:
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "features")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each side of the structured and beam rows (medians)")
     args = parser.parse_args()
     sections = args.sections.split(",")
     llm = LLM(checkpoint_for(args.model), device=args.device)
     prompts = Prompts()
     result = {"model": args.model, **device_info()}
-    runs = {"structured": lambda: bench_structured(llm, prompts), "compile": bench_compile,
+    runs = {"structured": lambda: bench_structured(llm, prompts, args.repeats),
+            "compile": bench_compile,
             "prompt-logprobs": lambda: bench_prompt_logprobs(llm, prompts),
-            "beam": lambda: bench_beam(llm, prompts)}
+            "beam": lambda: bench_beam(llm, prompts, args.repeats)}
     for name in sections:
         result[name] = runs[name]()
         print(name, json.dumps(result[name], indent=1), flush=True)

@@ -36,10 +36,10 @@ def replay_block_copy_eagerly(graph) -> None:
 def replay_logprobs_eagerly(graphs) -> None:
     """LogprobGraphs on CPU: each replay runs what its graph would record, and its outputs
     are what that run returned."""
-    def refresh(key: tuple[bool, int]) -> None:
+    def refresh(key: tuple[bool, int, int]) -> None:
         graphs.outputs[key] = graphs.record(*key)
 
-    for key in [(in_place, size) for in_place in (False, True) for size in graphs.sizes]:
+    for key in graphs.keys:
         graphs.graphs[key] = _EagerReplay(partial(refresh, key))
 
 

@@ -42,7 +42,7 @@ class SamplerOutput:
     num_top: list[int]  # per logprob row: how many alternatives it asked for
     sampled_logprobs: torch.Tensor | None = None  # [len(logprob_rows)]
     top_ids: torch.Tensor | None = None  # [len(logprob_rows), >= max(num_top)]: row j's first
-    top_logprobs: torch.Tensor | None = None  # num_top[j] (LogprobGraphs give MAX_LOGPROBS)
+    top_logprobs: torch.Tensor | None = None  # num_top[j] (LogprobGraphs' may be wider)
     # a step with drafts (engine/worker/speculation.py): [N, k + 1] int64, each row's
     # accepted drafts, then its sampled token, then NO_TOKEN
     verified_token_ids: torch.Tensor | None = None

@@ -379,6 +379,7 @@ def test_the_logprob_graphs_give_what_the_kernel_gives(count):
             assert torch.equal(got[0], expected[0])
             assert torch.equal(got[1][:, :k], expected[1])
             assert torch.equal(got[2][:, :k], expected[2])
+            assert got[1].shape[1] == (8 if k <= 8 else 20)  # the narrowest graph that holds k
     assert graphs.steps_in_place == 3
     assert graphs.takes(logits, batch) and not graphs.takes(logits.float(), 1)
 
