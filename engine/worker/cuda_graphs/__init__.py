@@ -9,7 +9,8 @@ Each set reads two packed buffers (buffers.py), back to back in one device alloc
 copied from pinned memory each step in one copy (token_ids up to the last table row used):
 
     tokens  int64   prev_tokens (device-filled) | token_ids | positions | slot_mapping |
-                    token_source | draw_seeds | draw_temperature (float64 bits)
+                    token_source | draw_seeds | draw_temperature (float64 bits) |
+                    block_copies (decode graphs: a step's forked beams' block pairs)
     meta    int32   per-sequence metadata and block tables (the set's own layout)
 
 token_source indexes prev_tokens | token_ids: a placeholder's sampled token, or a known token.
