@@ -8,7 +8,8 @@ takes ~0.13 ms of host time on the H100 node) and its allocations.
     graph[size, width]: token_logprobs(logits[:size], tokens[:size], width) ─▶ outputs
 
 A step whose first R rows all ask for logprobs, over a graph's StepOutputs (a beam search's
-steps, say), skips the gather: a second graph per size reads the StepOutputs' rows in place.
+steps, say), skips the gather: a second graph per size and width reads the StepOutputs' rows
+in place.
 Rows R..size-1 compute from whatever their buffers hold last: results nobody reads.
 """
 from __future__ import annotations
