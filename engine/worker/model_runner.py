@@ -152,9 +152,8 @@ class ModelRunner:
     def launch_on(self, out: SchedulerOutput, kv_caches: list[KVCache]) -> PendingStep:
         """launch() into the given caches (KV sizing's worst-case step runs on a scratch
         one), after the step's block copies (a decode step's graphs make them)."""
-        decode = self._is_decode_step(out)
         copies = out.block_copies
-        if copies and not (decode and self.decode_graphs.takes_copies(copies)):
+        if copies and not (self._is_decode_step(out) and self.decode_graphs.takes_copies(copies)):
             self._copy_blocks(kv_caches, copies)
             copies = ()
         sources = [s.prev_sample_row for s in out.sequences]
@@ -163,6 +162,7 @@ class ModelRunner:
         to_sample = [s for s in out.sequences if s.sample]
         plan = self.speculation.plan(out, to_sample)
         draw_inputs = self.sampler.draw_inputs(plan.sample_rows)
+        decode = self._is_decode_step(out)
         logits, drawn, prompt_logprobs = self._forward(out, sources, decode, draw_inputs,
                                                        kv_caches, plan, copies)
         self._last_step = LaunchedStep(out.step_id, None)
