@@ -112,11 +112,12 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, plan.decode_sizes,
                                           self.max_blocks_per_seq, self.block_size,
                                           sched.max_model_len, self.device, follower, step,
-                                          self.model.ops.copy_staged_blocks, sched.max_num_seqs)
+                                          self.model.ops.copy_staged_blocks, sched.max_num_seqs,
+                                          MaskedDrawGraphs.rows_for(sched.max_num_seqs))
         self.decode_graphs.capture(pool)
         self.sampler.masked_graphs = MaskedDrawGraphs(
             self.model.ops.masked_sample, step, -(-cfg.vocab_size // 32), sched.max_num_seqs,
-            self.device)
+            self.device, self.decode_graphs.masked_draw_inputs)
         self.sampler.logprob_graphs = LogprobGraphs(self.model.ops.token_logprobs, step,
                                                     self.dtype, sched.max_num_seqs, self.device)
         self.block_copy_graph = BlockCopyGraph(self.model.ops.copy_staged_blocks,
@@ -206,22 +207,30 @@ class ModelRunner:
         """launch_on for a step that _continues_plain_decode: its draw inputs, staging and
         constrained rows come from the last step's rows by index
         (Sampler.continued_draw_inputs, DecodeStager.write_continued) and its tokens are the
-        graph's own draws, the constrained rows drawn again once their mask is given.
-        `copies`: block copies left for the graphs to make."""
+        graph's own draws, the constrained rows drawn again once their mask is given, their
+        draw's other inputs staged with the step's (MaskedDrawGraphs.stage) where the decode
+        graphs hold a segment for them. `copies`: block copies left for the graphs to make."""
         seqs, last = out.sequences, self._plain_decode
         src = np.array(sources, dtype=np.int64)
         draw_inputs, seeded = self.sampler.continued_draw_inputs(seqs, src, last.temperature,
                                                                   last.seeded)
-        logits, drawn = self.decode_graphs.run(seqs, sources, self._prev_sampled(out, sources),
-                                               draw_inputs, continued=src, block_copies=copies)
         constrained = last.constrained[src]
+        rows = np.flatnonzero(constrained)
+        masked = self.sampler.masked_graphs
+        staged = (len(rows) > 0 and masked is not None
+                  and self.decode_graphs.masked_draw_inputs is not None)
+        logits, drawn = self.decode_graphs.run(
+            seqs, sources, self._prev_sampled(out, sources), draw_inputs, continued=src,
+            block_copies=copies, stage_masked=functools.partial(
+                masked.stage, rows=rows, temperature=draw_inputs[0][rows],
+                seeds=draw_inputs[1][rows]) if staged else None)
         self._plain_decode = PlainDecode(out.step_id, draw_inputs[0], seeded, constrained)
         pending = PendingStep([s.request_id for s in seqs], None)
-        if constrained.any():
+        if len(rows):
             self._last_step = LaunchedStep(out.step_id, None)
-            rows = np.flatnonzero(constrained)
             pending.sample_with = functools.partial(
-                self._sample_masked_rows, out.step_id, seqs, rows, logits, draw_inputs, drawn)
+                self._sample_masked_rows, out.step_id, seqs, rows, logits, draw_inputs, drawn,
+                staged)
             pending.constrained_rows = rows.tolist()
             return pending
         pending.sampled = SamplerOutput(drawn, [], [])
@@ -232,9 +241,11 @@ class ModelRunner:
     @torch.inference_mode()  # a deferred sample runs after launch_on has returned
     def _sample_masked_rows(self, step_id: int, seqs: list[ScheduledSequence], rows: np.ndarray,
                             logits: torch.Tensor, draw_inputs: DrawInputs, drawn: torch.Tensor,
-                            mask: GrammarMask | None) -> SamplerOutput:
-        """_sample for a continued step: the graph's draws, `rows` drawn again under `mask`."""
-        sampled = self.sampler.masked_draw_rows(logits, seqs, rows, draw_inputs, drawn, mask)
+                            staged: bool, mask: GrammarMask | None) -> SamplerOutput:
+        """_sample for a continued step: the graph's draws, `rows` drawn again under `mask`
+        (`staged`: their draw's other inputs came in with the step's)."""
+        sampled = self.sampler.masked_draw_rows(logits, seqs, rows, draw_inputs, drawn, mask,
+                                                staged)
         sampled.begin_host_copy()
         self._last_step = LaunchedStep(step_id, sampled.token_ids)
         return sampled

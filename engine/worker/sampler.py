@@ -216,19 +216,23 @@ class Sampler:
 
     def masked_draw_rows(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
                          rows: np.ndarray, draw_inputs: DrawInputs, drawn: torch.Tensor | None,
-                         mask: GrammarMask | None) -> SamplerOutput:
+                         mask: GrammarMask | None, staged: bool = False) -> SamplerOutput:
         """__call__ for rows that are all plain draws but for the grammar masks of `rows`
         (int64, ascending: the constrained ones): plain draws for every row (the graph's, if
         it made them; none when every row is constrained), then one masked draw of `rows`
         over their bitmask, in place: replayed (MaskedDrawGraphs) where a graph wrote the
         step's StepOutputs, else three uploads (rows and seeds, temperatures, the bitmask)
-        and one launch."""
+        and one launch. `staged`: the replay's other inputs came in with the step's
+        (MaskedDrawGraphs.stage): only the mask is copied."""
         temperature, seeds = draw_inputs
         device = logits.device
         graphs = self.masked_graphs
         if graphs is not None and drawn is not None and graphs.takes(logits, drawn, len(rows)):
             check_mask(seqs, rows.tolist(), mask)
-            graphs.run(rows, mask.bitmask, temperature[rows], seeds[rows])
+            if staged:
+                graphs.run_staged(mask.bitmask)
+            else:
+                graphs.run(rows, mask.bitmask, temperature[rows], seeds[rows])
             return SamplerOutput(drawn, [], [])
         words = grammar_words(seqs, rows.tolist(), mask, device)
         if drawn is None:

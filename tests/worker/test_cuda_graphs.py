@@ -151,11 +151,12 @@ STRUCTURED = PLAIN + [SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=
                                          regex="[a-z ]{200}"))]
 
 
-def eager_step_graphs(runner, max_seqs: int, max_tokens: int, copy_blocks: bool = False
-                      ) -> tuple[StepOutputs, DecodeGraphs, MixedGraphs]:
+def eager_step_graphs(runner, max_seqs: int, max_tokens: int, copy_blocks: bool = False,
+                      masked_rows: int = 0) -> tuple[StepOutputs, DecodeGraphs, MixedGraphs]:
     """A CPU runner's decode and mixed-step graphs with eager replays, writing one
     StepOutputs, installed as capture_graphs installs them (fp32, max_model_len 1024); with
-    `copy_blocks`, the decode graphs make their steps' block copies."""
+    `copy_blocks`, the decode graphs make their steps' block copies; with `masked_rows`, they
+    hold a segment for their masked draws' inputs."""
     from engine.worker.layers import copy_staged_blocks
 
     cpu, model = torch.device("cpu"), runner.model
@@ -165,7 +166,7 @@ def eager_step_graphs(runner, max_seqs: int, max_tokens: int, copy_blocks: bool 
                           runner.max_blocks_per_seq, runner.block_size, 1024, cpu,
                           step_outputs=step,
                           copy_staged_blocks=copy_staged_blocks if copy_blocks else None,
-                          max_copies=max_seqs)
+                          max_copies=max_seqs, masked_rows=masked_rows)
     mixed = MixedGraphs(model, runner.kv_caches, mixed_capture_sizes(max_tokens), max_seqs,
                         runner.max_blocks_per_seq, 1024, cpu, step_outputs=step)
     replay_eagerly(decode)
@@ -186,8 +187,8 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
     temperature and seed, and for steps with prompt chunks the padded tokens and sequences)
     give the eager path's
     tokens, and so do structured-output rows drawn again in the graphs' StepOutputs
-    (MaskedDrawGraphs), in continued steps too. Graphs are replaced by eager replays, so this
-    runs without CUDA. A 24-token budget splits prompts into chunks that share steps with
+    (MaskedDrawGraphs), in continued steps too, whose draws read their inputs staged with the
+    step's. Graphs are replaced by eager replays, so this runs without CUDA. A 24-token budget splits prompts into chunks that share steps with
     decodes."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
     rng = random.Random(3)
@@ -201,11 +202,13 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                   attention_backend="torch", async_scheduling=async_scheduling)
         runner = llm.engine.runner
         if with_graphs:
-            step, decode, mixed = eager_step_graphs(runner, max_seqs=4, max_tokens=24)
-            runner.sampler.masked_graphs = MaskedDrawGraphs(
+            step, decode, mixed = eager_step_graphs(runner, max_seqs=4, max_tokens=24,
+                                                    masked_rows=MaskedDrawGraphs.rows_for(4))
+            masked = runner.sampler.masked_graphs = MaskedDrawGraphs(
                 lambda *args: masked_draws.append(args[1].shape[0]) or masked_sample(*args),
-                step, -(-runner.model.config.vocab_size // 32), 4, torch.device("cpu"))
-            replay_masked_draw_eagerly(runner.sampler.masked_graphs)
+                step, -(-runner.model.config.vocab_size // 32), 4, torch.device("cpu"),
+                decode.masked_draw_inputs)
+            replay_masked_draw_eagerly(masked, staged=True)
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if with_graphs:
             assert decode.steps_staged > 20  # decode steps went through the staging
@@ -216,8 +219,10 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                 assert decode.steps_continued == 0
             elif not filtered:  # structured-output rows continue too, drawn again
                 assert decode.steps_continued > 10
-            # every step with a constrained row drew it again in the graphs' outputs
+            # every step with a constrained row drew it again in the graphs' outputs, those
+            # continuing a decode step from inputs staged with it
             assert (len(masked_draws) > 20) == structured
+            assert (masked.steps_staged > 10) == (structured and async_scheduling)
     assert results[0] == results[1]
 
 

@@ -46,16 +46,15 @@ class BufferLayout:
         return SimpleNamespace(**views)
 
 
-def token_layout(n: int, copy_pairs: int = 0) -> BufferLayout:
+def token_layout(n: int, extra: dict[str, int | tuple[int, ...]] | None = None
+                 ) -> BufferLayout:
     """The int64 buffer of a graph set with n token rows. Its first two segments are the pool
     input ids are gathered from by token source: r < n is row r of the previous step's
-    samples (a placeholder's), n + r token row r's own id. With `copy_pairs`, a last segment
-    holds a step's block copies, up to that many (block_copy_graph.stage_pairs)."""
-    segments = dict(prev_tokens=n, token_ids=n, positions=n, slot_mapping=n, token_source=n,
-                    draw_seeds=n, draw_temperature=n)
-    if copy_pairs:
-        segments["block_copies"] = 1 + 2 * copy_pairs
-    return BufferLayout(bits_of={"draw_temperature": "float64"}, **segments)
+    samples (a placeholder's), n + r token row r's own id. `extra`: segments after the rest,
+    by name and shape (a decode step's block copies and masked-draw inputs: DecodeGraphs)."""
+    return BufferLayout(prev_tokens=n, token_ids=n, positions=n, slot_mapping=n,
+                        token_source=n, draw_seeds=n, draw_temperature=n, **(extra or {}),
+                        bits_of={"draw_temperature": "float64"})
 
 
 def stage_draw_inputs(tokens: SimpleNamespace, draw_inputs: tuple[np.ndarray, np.ndarray],

@@ -39,9 +39,9 @@ class OneTokenGraphs(GraphSet):
                  max_model_len: int, device: torch.device,
                  meta_layout: Callable[[int], BufferLayout], make_stager: MakeStager,
                  follower: Follower | None = None, step_outputs: StepOutputs | None = None,
-                 copy_pairs: int = 0):
+                 extra: dict[str, int | tuple[int, ...]] | None = None):
         super().__init__(model, kv_caches, sizes, meta_layout(sizes[-1]), device, make_stager,
-                         follower, step_outputs, copy_pairs)
+                         follower, step_outputs, extra)
         self.max_model_len = max_model_len
         self.query_start_loc = torch.arange(sizes[-1] + 1, dtype=torch.int32, device=device)
 
@@ -62,24 +62,34 @@ class OneTokenGraphs(GraphSet):
 
 
 class DecodeGraphs(OneTokenGraphs):
-    """With `copy_staged_blocks` (Ops') and `max_copies`, a step's block copies (forked beams')
-    travel in its inputs' `block_copies` segment and are made by a BlockCopyGraph over it,
-    replayed before the step's graph: no copy of their own."""
+    """Two kinds of a step's other inputs can travel in its inputs' extra segments, copied in
+    with the rest: with `copy_staged_blocks` (Ops') and `max_copies`, its block copies (forked
+    beams'), in `block_copies`, made by a BlockCopyGraph over it replayed before the step's
+    graph; with `masked_rows`, its constrained rows' masked-draw inputs, in `masked_draw`
+    ([3, masked_rows]: MaskedDrawGraphs' layout), which that draw reads after the step."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: tuple[int, ...],
                  max_blocks_per_seq: int, block_size: int, max_model_len: int,
                  device: torch.device, follower: Follower | None = None,
                  step_outputs: StepOutputs | None = None,
-                 copy_staged_blocks: Callable | None = None, max_copies: int = 0):
+                 copy_staged_blocks: Callable | None = None, max_copies: int = 0,
+                 masked_rows: int = 0):
+        extra = {}
+        if copy_staged_blocks is not None:
+            extra["block_copies"] = 1 + 2 * max_copies
+        if masked_rows:
+            extra["masked_draw"] = (3, masked_rows)
         super().__init__(model, kv_caches, sizes, max_model_len, device,
                          lambda rows: decode_meta_layout(rows, max_blocks_per_seq),
                          lambda tokens, meta: DecodeStager(tokens, meta, block_size), follower,
-                         step_outputs, max_copies if copy_staged_blocks else 0)
+                         step_outputs, extra)
         first, second = (staging.stager for staging in self._staging)
         first.peer, second.peer = second, first  # the mirrors take turns: one holds the last step
         self.steps_continued = 0  # steps staged by DecodeStager.write_continued
         self.block_copy = None if copy_staged_blocks is None else BlockCopyGraph(
             copy_staged_blocks, kv_storage(kv_caches), max_copies, self.tokens.block_copies)
+        # the device segment a masked draw reads a step's inputs from (None: none staged here)
+        self.masked_draw_inputs = self.tokens.masked_draw if masked_rows else None
 
     def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._logits_and_draws(self._hidden(size))
@@ -95,12 +105,15 @@ class DecodeGraphs(OneTokenGraphs):
     def run(self, seqs: list[ScheduledSequence], sources: list[int],
             prev_tokens: torch.Tensor | None, draw_inputs: DrawInputs,
             continued: np.ndarray | None = None,
-            block_copies: tuple[tuple[int, int], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+            block_copies: tuple[tuple[int, int], ...] = (),
+            stage_masked: Callable[[np.ndarray], None] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """sources[i] >= 0: sequence i's placeholder's row in prev_tokens. `continued`: the
         same sources as an array, when the last replay of these graphs was the step just
         before and every row continues one of its rows (DecodeStager.write_continued).
-        `block_copies`: the step's, if any (takes_copies). Returns logits [B, vocab] and drawn
-        tokens [B], valid until the next replay."""
+        `block_copies`: the step's, if any (takes_copies). `stage_masked`: writes the step's
+        masked-draw inputs into the mirror's `masked_draw` segment. Returns logits [B, vocab]
+        and drawn tokens [B], valid until the next replay."""
         batch = len(seqs)
         size = self.size_for(batch)
         def stage(stager: DecodeStager) -> None:
@@ -110,6 +123,8 @@ class DecodeGraphs(OneTokenGraphs):
                 stager.write_continued(seqs, size, sources, continued, draw_inputs)
             if block_copies:
                 stage_pairs(stager.tokens.block_copies, block_copies)
+            if stage_masked is not None:
+                stage_masked(stager.tokens.masked_draw)
 
         self.steps_continued += continued is not None
         self._replay(size, stage, prev_tokens, size,

@@ -26,17 +26,17 @@ class GraphSet:
     the result stays in `outputs[size]` until that size's next replay. A `follower` gets its
     own graph per size over the same inputs, replayed after the model's unless told not to.
     With `step_outputs`, every size writes its logits and draws there rather than into
-    buffers of its own. `copy_pairs`: room for that many block copies in `tokens`
-    (token_layout), copied in with the rest."""
+    buffers of its own. `extra`: segments appended to `tokens` (token_layout), copied in with
+    the rest."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: list[int],
                  meta_layout: BufferLayout, device: torch.device, make_stager: MakeStager,
                  follower: Follower | None = None, step_outputs: StepOutputs | None = None,
-                 copy_pairs: int = 0):
+                 extra: dict[str, int | tuple[int, ...]] | None = None):
         self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
         self.follower = follower
         self.step_outputs = step_outputs
-        self.token_layout = token_layout(sizes[-1], copy_pairs)
+        self.token_layout = token_layout(sizes[-1], extra)
         self.meta_layout = meta_layout
         self._bytes, self._ids64, self._ids32 = packed_buffers(self.token_layout, meta_layout,
                                                                device)
