@@ -46,5 +46,6 @@ def replay_logprobs_eagerly(graphs) -> None:
 def replay_masked_draw_eagerly(graphs, staged: bool = False) -> None:
     """MaskedDrawGraphs on CPU: each size's replay runs what its graph would record (and its
     staged twin's, if `staged`)."""
-    for key in [(twin, size) for twin in (False, True)[:1 + staged] for size in graphs.sizes]:
+    for key in [(twin, size) for twin in ((False, True) if staged else (False,))
+                for size in graphs.sizes]:
         graphs.graphs[key] = _EagerReplay(partial(graphs.record, key[1], key[0]))
