@@ -218,7 +218,7 @@ class ModelRunner:
         rows = np.flatnonzero(constrained)
         masked = self.sampler.masked_graphs
         staged = (len(rows) > 0 and masked is not None
-                  and self.decode_graphs.masked_draw_inputs is not None)
+                  and masked.reads(self.decode_graphs.masked_draw_inputs))
         logits, drawn = self.decode_graphs.run(
             seqs, sources, self._prev_sampled(out, sources), draw_inputs, continued=src,
             block_copies=copies, stage_masked=functools.partial(

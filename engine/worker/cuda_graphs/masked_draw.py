@@ -67,6 +67,10 @@ class MaskedDrawGraphs:
         self._draw(self.step.logits[:, :self.step.vocab], inputs[0, :size], self._words[:size],
                    temperature, inputs[1, :size], self.step.drawn)
 
+    def reads(self, inputs: torch.Tensor | None) -> bool:
+        """Whether staged twins were captured over this segment (`run_staged` serves it)."""
+        return inputs is not None and inputs is self._staged_inputs
+
     def takes(self, logits: torch.Tensor, drawn: torch.Tensor, count: int) -> bool:
         """Whether `run` serves a step with these logits and draws (a graph set's, in the
         StepOutputs) and `count` constrained rows."""
