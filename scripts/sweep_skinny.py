@@ -144,7 +144,7 @@ def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
         with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool, \
                 triton.AsyncCompileMode(pool, ignore_errors=True):  # compile all, then time
             for config in configs:
-                fused = norm and m + 2 <= MAX_TILE_M  # else the norm runs as its own kernel
+                fused = norm and m <= MAX_M  # else the norm runs as its own kernel
                 compile_quant_linear(x, qweights[0].data, qweights[0].scale, bias, gelu,
                                      AddNorm(residual, ln_w, ln_b, 1e-5) if fused else None,
                                      config)

@@ -8,11 +8,12 @@ from engine.worker.layers import add_norm_linear as add_norm_linear_reference
 from engine.worker.layers import linear as linear_reference
 from engine.worker.quantization import quantize_weight
 from kernel_cases import DEVICE, DTYPES, INTERPRET, replayed_on_new_inputs, tol
-from kernels.quant_linear import (MAX_TILE_M, quant_add_norm_linear,
+from kernels.quant_linear import (MAX_TILE_M, fp8_linear, quant_add_norm_linear,
                                   quant_add_norm_linear_reference, quant_linear,
                                   quant_linear_reference)
 from kernels.linear import LinearDispatch
-from kernels.skinny_gemm import AddNorm, TileConfig
+from kernels.layernorm import quantize_rows_fp8
+from kernels.skinny_gemm import MAX_M, AddNorm, TileConfig
 
 METHODS = ["int8", "fp8"]
 # (N, K): split-K on few tiles with K not a multiple of 32; more tiles, shorter K
@@ -53,10 +54,10 @@ def test_quant_linear_without_bias(method, m):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, MAX_TILE_M - 2, MAX_TILE_M])
+@pytest.mark.parametrize("m", [1, MAX_M, MAX_TILE_M])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_quant_add_norm_linear(method, dtype, m, gelu):
-    """Fused up to MAX_TILE_M - 2 rows, the add + LayerNorm kernel first beyond. The new
+    """Fused up to MAX_M rows, the add + LayerNorm kernel first beyond. The new
     residual matches the unfused add (exactly where fused: one rounding of the same sum);
     the output matches the fp32 reference on that residual, as the skinny GEMM's test says
     why. The residual's mean sits 20 standard deviations from zero."""
@@ -74,7 +75,7 @@ def test_quant_add_norm_linear(method, dtype, m, gelu):
                         norm.bias.float(), norm.eps)
     expected = quant_add_norm_linear_reference(summed.float(), fp32_norm, weight.data,
                                                weight.scale, bias.float(), gelu)[0].to(dtype)
-    if dtype == torch.float32 or m + 2 <= MAX_TILE_M:
+    if dtype == torch.float32 or m <= MAX_M:
         torch.testing.assert_close(out, expected, **_norm_tol(dtype))
     else:  # the unfused path rounds the normalised input to dtype first
         torch.testing.assert_close(out, expected, atol=5e-2, rtol=2e-2)
@@ -87,6 +88,29 @@ def test_quant_add_norm_linear(method, dtype, m, gelu):
 def _norm_tol(dtype: torch.dtype) -> dict:
     """tol(), but the interpreter's truncating bf16 casts bias gamma * d (skinny GEMM test)."""
     return dict(atol=6e-2, rtol=1e-2) if INTERPRET and dtype == torch.bfloat16 else tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [FP8_GEMM_MIN_ROWS, MAX_TILE_M])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_fp8_linear_sums_fp8_rows_like_the_reference(dtype, m, gelu):
+    """fp8 rows (quantize_rows_fp8) against an fp8 W: e4m3 products summed in fp32, each row's
+    and channel's scale, bias, GELU, as engine.worker.layers.fp8_gemm_linear computes them
+    (one rounding to dtype; its GELU after). Split K over few tiles (208 = 13 steps of 16)."""
+    k, n = 208, 96
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    weight = _weight(n, k, "fp8")
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    q, q_scale = quantize_rows_fp8(x)
+    out = fp8_linear(q, q_scale, weight.data, weight.scale, bias, gelu, dtype)
+
+    def expected(row_scales):
+        y = q.float() @ weight.data.float().t() * row_scales * weight.scale + bias.float()
+        return torch.nn.functional.gelu(y, approximate="tanh") if gelu else y
+
+    torch.testing.assert_close(out, expected(q_scale).to(dtype), **_norm_tol(dtype))
+    # each row's own scale: another row's is far off
+    assert not torch.allclose(out.float(), expected(q_scale.flip(0)), atol=1e-1, rtol=1e-1)
 
 
 @pytest.mark.parametrize("method", METHODS)
