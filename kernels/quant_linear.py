@@ -217,8 +217,8 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torc
     assert data.shape[1] == k and scale.shape == (n,) and x.stride(1) == 1 and data.stride(1) == 1
     assert k % 16 == 0, "K must be a multiple of 16 (every GPT-2 width is)"
     assert m * max(k, n) < 2**31, "row offsets are int32"
-    if x_scale is not None:
-        assert x.dtype == data.dtype == torch.float8_e4m3fn and norm is None
+    if x_scale is not None:  # an 8-bit dot's K step is 32 or more
+        assert x.dtype == data.dtype == torch.float8_e4m3fn and norm is None and k % 32 == 0
         assert x_scale.dtype == torch.float32 and x_scale.numel() == m and out_dtype is not None
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     summed = None
@@ -270,7 +270,8 @@ def quant_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
 def fp8_linear(q: torch.Tensor, q_scale: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None, gelu: bool, out_dtype: torch.dtype,
                config: TileConfig | None = None) -> torch.Tensor:
-    """The fp8 GEMM (W8A8): q float8_e4m3fn [M, K] with its rows' scales q_scale [M, 1],
+    """The fp8 GEMM (W8A8): q float8_e4m3fn [M, K], K a multiple of 32, with its rows' scales
+    q_scale [M, 1],
     data float8_e4m3fn [N, K] with scale [N] -> act((q_scale * q) @ (scale * data).T + bias)
     in out_dtype; e4m3 products summed in fp32, both scales applied to the sums."""
     return _launch(q, data, scale, bias, gelu, None, config, x_scale=q_scale,

@@ -96,8 +96,8 @@ def _norm_tol(dtype: torch.dtype) -> dict:
 def test_fp8_linear_sums_fp8_rows_like_the_reference(dtype, m, gelu):
     """fp8 rows (quantize_rows_fp8) against an fp8 W: e4m3 products summed in fp32, each row's
     and channel's scale, bias, GELU, as engine.worker.layers.fp8_gemm_linear computes them
-    (one rounding to dtype; its GELU after). Split K over few tiles (208 = 13 steps of 16)."""
-    k, n = 208, 96
+    (one rounding to dtype; its GELU after). Split K over few tiles (224 = 7 steps of 32)."""
+    k, n = 224, 96
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     weight = _weight(n, k, "fp8")
     bias = torch.randn(n, device=DEVICE).to(dtype)
@@ -141,7 +141,7 @@ def test_dispatch_serves_a_quantized_weight_like_the_engine_reference(method, m)
     against engine.worker.layers' reference, which dequantizes (and from FP8_GEMM_MIN_ROWS
     rows on quantizes an fp8 weight's activations: the fp8 GEMM's numbers, which the
     weight-only kernel misses by ~1 %); a skinny tile config in the table does not apply."""
-    k, n = 208, 96
+    k, n = 224, 96  # K a multiple of 32: the Triton fp8 GEMM's
     x, residual = (torch.randn(m, k, device=DEVICE) for _ in range(2))
     ln_w, ln_b, bias = (torch.randn(d, device=DEVICE) for d in (k, k, n))
     weight = _weight(n, k, method)
