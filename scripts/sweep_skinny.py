@@ -16,6 +16,11 @@ its fp8 GEMM (kernels/linear.py) also times that route.
 
     python scripts/sweep_skinny.py --quantization fp8 --widths 1600 --m 17,64,256,512
 
+With --routes, each layer as the engine runs it (LinearDispatch, the fp8 rule) for fp16, int8
+and fp8 weights, and the block's four linears summed per M:
+
+    python scripts/sweep_skinny.py --routes --widths 1600 --m 8,17,32,48,64
+
 With --gemv, the GEMV (kernels/gemv.py, M <= 2) over GEMV_CONFIGS against the default path
 (cuBLAS, or quant_linear for 8-bit weights) and the startup table's GEMV candidates (--json
 writes every time); its winners become kernels.linear.GEMV_CANDIDATES.
@@ -157,6 +162,31 @@ def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
               + ", ".join(f"{t * 1e3:.2f} {tuple(c)}" for t, c in times[1:6]), flush=True)
 
 
+def time_routes(width: int, sizes: list[int], layers: list[str]) -> None:
+    """Each layer as the engine runs it (LinearDispatch with the fp8 rule, no startup table)
+    for fp16, int8 and fp8 weights; then the block's total per M."""
+    dtype, device = torch.float16, torch.device("cuda")
+    totals: dict[tuple[int, str], float] = {}
+    for name, n, k, gelu, norm in layer_shapes(width, layers):
+        weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5 for _ in range(16)]
+        by_method = {"fp16": weights, **{q: [quantize_weight(w, q) for w in weights]
+                                         for q in ("int8", "fp8")}}
+        bias = torch.randn(n, dtype=dtype, device=device)
+        ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
+        for m in sizes:
+            x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
+            call = layer_call(LinearDispatch(None, uses_fp8_gemm), x, residual, ln_w, ln_b,
+                              bias, norm, gelu)
+            times = {q: graph_ms(call, w) * 1e3 for q, w in by_method.items()}
+            for q, t in times.items():
+                totals[m, q] = totals.get((m, q), 0.0) + t
+            print(f"{name} N={n} K={k} M={m}: " + ", ".join(f"{q} {t:.1f} us"
+                                                           for q, t in times.items()), flush=True)
+    for m in sizes:
+        print(f"width {width} M={m}, {'+'.join(layers)}: "
+              + ", ".join(f"{q} {totals[m, q]:.1f} us" for q in ("fp16", "int8", "fp8")))
+
+
 def sweep_gemv(widths: list[int], m: int, layers: list[str], method: str | None) -> list[dict]:
     """Per layer: ms of the default path, of each GEMV config and of the candidates' best."""
     dtype, device = torch.float16, torch.device("cuda")
@@ -200,9 +230,15 @@ def main() -> None:
     parser.add_argument("--quantization", choices=("int8", "fp8"))
     parser.add_argument("--gemv", action="store_true")
     parser.add_argument("--json", help="with --gemv: write every time here")
+    parser.add_argument("--routes", action="store_true",
+                        help="each layer as the engine runs it, fp16 / int8 / fp8, and totals")
     args = parser.parse_args()
     widths, sizes = ([int(v) for v in text.split(",")] for text in (args.widths, args.m))
     layers = args.layers.split(",")
+    if args.routes:
+        for width in widths:
+            time_routes(width, sizes, layers)
+        return
     if args.gemv:
         rows = [row for m in sizes for row in sweep_gemv(widths, m, layers, args.quantization)]
         if args.json:
