@@ -105,11 +105,11 @@ def _fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight, bias: torch.Tensor
               dtype: torch.dtype) -> torch.Tensor:
     """(q * q_scale) @ (weight.data * weight.scale).T + bias in `dtype`, then GELU(tanh) if
     asked: q float8_e4m3fn [M, K] with its rows' scales [M, 1]. Up to MAX_TILE_M rows (and K
-    a multiple of 32, as every GPT-2 width is) the Triton kernel (kernels/quant_linear.py: fp8_linear, GELU in its epilogue; cuBLASLt with a
-    scale per row and channel took 60 us over gpt2-xl's four linears where it takes 47-55).
-    Beyond, cuBLASLt applies both scales and the bias to the fp32 sums (W's transpose is
-    column-major, as it needs); it takes no bias into a float32 output on CUDA: there the
-    bias is added after."""
+    a multiple of 32, as every GPT-2 width is) the Triton kernel (kernels/quant_linear.py:
+    fp8_linear, GELU in its epilogue; cuBLASLt with a scale per row and channel took 59 us
+    over gpt2-xl's four linears at 17-64 rows where it takes 46-54). Beyond, cuBLASLt applies
+    both scales and the bias to the fp32 sums (W's transpose is column-major, as it needs);
+    it takes no bias into a float32 output on CUDA: there the bias is added after."""
     if q.shape[0] <= MAX_TILE_M and q.shape[1] % 32 == 0:
         return fp8_linear(q, q_scale, weight.data, weight.scale, bias, gelu, dtype)
     in_epilogue = dtype != torch.float32 or not q.is_cuda
