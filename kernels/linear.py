@@ -4,10 +4,10 @@ a table measured on the running GPU at startup. The Triton kernels fuse bias and
 the pre-norm linears (QKV, FC) the residual add and LayerNorm, into one launch. An 8-bit weight
 (the engine's QuantizedWeight: `data` int8 or float8_e4m3fn [N, K], `scale` float32 [N]) takes
 the GEMV where its table says, else kernels/quant_linear.py, fused the same way; but an fp8
-weight where the engine's rule says (`uses_fp8_gemm`: from 17 rows) runs an fp8 x fp8 GEMM
-over x quantized by rows (kernels/layernorm.py, behind the add + LayerNorm where there is
-one), each row's and channel's scale and the bias in its epilogue: the Triton kernel up to 64
-rows, cuBLASLt's (`torch._scaled_mm`, tensor cores) beyond. References:
+weight where the engine's rule says (`uses_fp8_gemm`: from 65 rows) runs cuBLASLt's fp8 x fp8
+GEMM (`torch._scaled_mm`, tensor cores) over x quantized by rows (kernels/layernorm.py, behind
+the add + LayerNorm where there is one), each row's and channel's scale and the bias in its
+epilogue. References:
 `engine.worker.layers.linear` and `engine.worker.layers.add_norm_linear`.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ from triton.runtime.errors import OutOfResources
 from kernels import gemv
 from kernels.gemv import GemvConfig, compile_gemv, gemv_add_norm_linear, gemv_linear
 from kernels.layernorm import add_layer_norm, add_layer_norm_fp8, quantize_rows_fp8
-from kernels.quant_linear import (MAX_TILE_M, Weight8, fp8_linear, quant_add_norm_linear,
-                                  quant_linear, random_weight8)
+from kernels.quant_linear import (Weight8, quant_add_norm_linear, quant_linear,
+                                  random_weight8)
 from kernels.skinny_gemm import (MAX_M, TILE_CANDIDATES, AddNorm, TileConfig, compile_skinny,
                                  skinny_add_norm_linear, skinny_linear)
 from kernels.timing import cuda_ms
@@ -104,14 +104,9 @@ class LinearDispatch:
 def _fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight, bias: torch.Tensor, gelu: bool,
               dtype: torch.dtype) -> torch.Tensor:
     """(q * q_scale) @ (weight.data * weight.scale).T + bias in `dtype`, then GELU(tanh) if
-    asked: q float8_e4m3fn [M, K] with its rows' scales [M, 1]. Up to MAX_TILE_M rows (and K
-    a multiple of 32, as every GPT-2 width is) the Triton kernel (kernels/quant_linear.py:
-    fp8_linear, GELU in its epilogue; cuBLASLt with a scale per row and channel took 59 us
-    over gpt2-xl's four linears at 17-64 rows where it takes 46-54). Beyond, cuBLASLt applies
-    both scales and the bias to the fp32 sums (W's transpose is column-major, as it needs);
-    it takes no bias into a float32 output on CUDA: there the bias is added after."""
-    if q.shape[0] <= MAX_TILE_M and q.shape[1] % 32 == 0:
-        return fp8_linear(q, q_scale, weight.data, weight.scale, bias, gelu, dtype)
+    asked: q float8_e4m3fn [M, K] with its rows' scales [M, 1]; cuBLASLt applies both scales
+    and the bias to the fp32 sums (W's transpose is column-major, as it needs). It takes no
+    bias into a float32 output on CUDA: there the bias is added after."""
     in_epilogue = dtype != torch.float32 or not q.is_cuda
     y = torch._scaled_mm(q, weight.data.t(), scale_a=q_scale, scale_b=weight.scale.view(1, -1),
                          bias=bias if in_epilogue else None, out_dtype=dtype)

@@ -20,11 +20,9 @@ three changes:
     Triton's tiles rather than cuBLAS's. The norm is fused up to MAX_M rows (it needs two
     more x columns); beyond, the add + LayerNorm kernel runs first.
 
-`fp8_linear` is the same kernel with fp8 rows (x quantized by rows, a scale each) against an
-fp8 W: an e4m3 x e4m3 dot, both scales in the epilogue (W8A8, the engine's fp8 GEMM up to
-MAX_TILE_M rows). Tile shapes follow the batch and N (`tile_shape`), from sweeps on an H100.
-References: `quant_linear_reference`, `quant_add_norm_linear_reference` (and the engine's
-`engine.worker.layers.linear` on a QuantizedWeight, `fp8_gemm_linear` for fp8 rows).
+Tile shapes follow the batch and N (`tile_shape`), from sweeps on an H100. References:
+`quant_linear_reference`, `quant_add_norm_linear_reference` (and the engine's
+`engine.worker.layers.linear` on a QuantizedWeight).
 """
 from __future__ import annotations
 
@@ -47,12 +45,10 @@ from kernels.skinny_gemm import (MAX_M, AddNorm, TileConfig, _block_n, _block_ro
 MAX_TILE_M = 64  # rows up to which x rides in one tile, W streamed once (as in the skinny GEMM)
 X_TILE_ELEMENTS = 4096  # BLOCK_K x BLOCK_M in one tile: 8 KB of fp16 a pipeline stage
 # 17 to MAX_TILE_M rows: W tiles of 32 rows, K steps of up to 256, no fused norm and no PDL.
-# Over gpt2-xl's four linears on an H100 (whole layers in CUDA graphs, 17-64 rows, 24 tiles
-# with and without PDL), the best fixed tile for int8 (W8A16, 42-58 us a layer against 54-76
-# for the small-batch rule) and for fp8 activations (W8A8, 5 stages: 47-55 against
-# cuBLASLt's 60)
+# Over gpt2-xl's four int8 linears on an H100 (whole layers in CUDA graphs, 17-64 rows, 24
+# tiles with and without PDL), the best fixed tile: 42-58 us a layer against 54-76 for the
+# small-batch rule
 MID_TILE = TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, min_split_steps=2)
-MID_TILE_FP8_X = MID_TILE._replace(num_stages=5)
 MID_X_TILE_BYTES = 32 << 10  # x's tile a stage: fp32 rows (64 KB at K step 256) would not fit
 # more rows: a GEMM tile (prefill); W's 64 rows x 128 bytes and x's 128 x 128 fp16 a stage.
 # The best mean over gpt2's and gpt2-xl's int8 linears at 512 rows on an H100 (1.01x each
@@ -67,16 +63,14 @@ def tile_shape(m: int, n: int, sms: int, norm: bool = False, x_bytes: int = 2
     which only m <= MAX_M takes) and N output channels on `sms` SMs. Up to MAX_M rows: one x
     tile of a power of two >= 16 columns, W tile rows 64 if that gives tiles for half the SMs,
     else 32; two warps up to 4 rows, else four; a K step of 128 (the best on GPT-2's shapes in
-    scripts/sweep_skinny.py --quantization). Then MID_TILE (MID_TILE_FP8_X for fp8 rows, of
-    x_bytes 1) up to MAX_TILE_M, its K step cut to keep x's tile within MID_X_TILE_BYTES;
-    LARGE_TILE beyond."""
+    scripts/sweep_skinny.py --quantization). Then MID_TILE up to MAX_TILE_M, its K step cut
+    to keep x's tile (x_bytes an element) within MID_X_TILE_BYTES; LARGE_TILE beyond."""
     if m > MAX_TILE_M:
         return LARGE_BLOCK_M, LARGE_TILE
     block_m = max(16, triton.next_power_of_2(m + 2 if norm else m))
     if m > MAX_M:
-        config = MID_TILE_FP8_X if x_bytes == 1 else MID_TILE
-        return block_m, config._replace(
-            block_k=min(config.block_k, MID_X_TILE_BYTES // (block_m * x_bytes)))
+        return block_m, MID_TILE._replace(
+            block_k=min(MID_TILE.block_k, MID_X_TILE_BYTES // (block_m * x_bytes)))
     return block_m, TileConfig(block_n=64 if triton.cdiv(n, 64) >= sms // 2 else 32,
                                block_k=min(128, X_TILE_ELEMENTS // block_m),
                                num_warps=2 if m <= 4 else 4, num_stages=3,
@@ -105,17 +99,13 @@ def _widen(w, other):
 @triton.jit
 def _plain_loop(x_ptr, w_rows, n_ok, rows, M, k_lo, k_hi, stride_xm, acc,
                 BLOCK_K: tl.constexpr):
-    """acc += W8[:, k_lo:k_hi] @ x[rows, k_lo:k_hi]^T, W8 widened to x's dtype (fp8 x: as
-    they are)."""
+    """acc += W8[:, k_lo:k_hi] @ x[rows, k_lo:k_hi]^T, W8 widened to x's dtype."""
     for k0 in range(k_lo, k_hi, BLOCK_K):  # BLOCK_K divides K: no mask along K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
         x_t = tl.load(x_ptr + rows[None, :] * stride_xm + offs_k[:, None],
                       mask=(rows < M)[None, :], other=0.0)
-        if x_t.dtype.is_fp8():  # fp32 sums each K step: Hopper's fp8 MMA sums in fewer bits
-            acc = tl.dot(w, x_t, acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            acc = tl.dot(_widen(w, x_t), x_t, acc, input_precision="ieee")
+        acc = tl.dot(_widen(w, x_t), x_t, acc, input_precision="ieee")
     return acc
 
 
@@ -151,23 +141,19 @@ def _norm_loop(x_ptr, res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, w_rows, n_ok, cols, 
 
 
 @triton.jit
-def _scaled_epilogue(acc, scale_ptr, x_scale_ptr, d_sum, d_sq, K, eps, bias_ptr, offs_n, n_ok,
-                     rows, M, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, NORM: tl.constexpr,
-                     X_SCALED: tl.constexpr):
-    """The per-channel scale (and with X_SCALED each x row's), then the skinny epilogue."""
+def _scaled_epilogue(acc, scale_ptr, d_sum, d_sq, K, eps, bias_ptr, offs_n, n_ok, rows, M,
+                     HAS_BIAS: tl.constexpr, GELU: tl.constexpr, NORM: tl.constexpr):
+    """The per-channel scale, then the skinny epilogue (module doc)."""
     acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-    if X_SCALED:
-        acc = acc * tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[None, :]
     return _epilogue(acc, d_sum, d_sq, K, eps, bias_ptr, offs_n, n_ok, rows, M, HAS_BIAS, GELU,
                      NORM)
 
 
 @triton.jit
-def _quant_linear_kernel(x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, out_ptr, part_ptr,
-                         stats_ptr, counter_ptr, res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, eps, M, N,
-                         K, k_per_split, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
-                         GELU: tl.constexpr, NORM: tl.constexpr, X_SCALED: tl.constexpr,
-                         SPLIT: tl.constexpr,
+def _quant_linear_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, stats_ptr,
+                         counter_ptr, res_ptr, ln_w_ptr, ln_b_ptr, sum_ptr, eps, M, N, K,
+                         k_per_split, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
+                         GELU: tl.constexpr, NORM: tl.constexpr, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (n, s, m): W rows n*BN.., K split s, x rows m*BM.. (NORM: one M tile)."""
@@ -199,28 +185,24 @@ def _quant_linear_kernel(x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, out_ptr
                                              counter_ptr + counter, tile, split, offs_n, n_ok,
                                              rows, M, N, NORM, BLOCK_N, BLOCK_M)
         if last:
-            y = _scaled_epilogue(acc, scale_ptr, x_scale_ptr, d_sum, d_sq, K, eps, bias_ptr,
-                                 offs_n, n_ok, rows, M, HAS_BIAS, GELU, NORM, X_SCALED)
+            y = _scaled_epilogue(acc, scale_ptr, d_sum, d_sq, K, eps, bias_ptr, offs_n, n_ok,
+                                 rows, M, HAS_BIAS, GELU, NORM)
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        y = _scaled_epilogue(acc, scale_ptr, x_scale_ptr, d_sum, d_sq, K, eps, bias_ptr, offs_n,
-                             n_ok, rows, M, HAS_BIAS, GELU, NORM, X_SCALED)
+        y = _scaled_epilogue(acc, scale_ptr, d_sum, d_sq, K, eps, bias_ptr, offs_n, n_ok, rows,
+                             M, HAS_BIAS, GELU, NORM)
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
             gelu: bool, norm: AddNorm | None, config: TileConfig | None,
-            compile_only: bool = False, x_scale: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            compile_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     (m, k), n = x.shape, data.shape[0]
     assert data.dtype in (torch.int8, torch.float8_e4m3fn) and scale.dtype == torch.float32
     assert data.shape[1] == k and scale.shape == (n,) and x.stride(1) == 1 and data.stride(1) == 1
     assert k % 16 == 0, "K must be a multiple of 16 (every GPT-2 width is)"
     assert m * max(k, n) < 2**31, "row offsets are int32"
-    if x_scale is not None:  # an 8-bit dot's K step is 32 or more
-        assert x.dtype == data.dtype == torch.float8_e4m3fn and norm is None and k % 32 == 0
-        assert x_scale.dtype == torch.float32 and x_scale.numel() == m and out_dtype is not None
-    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     summed = None
     if norm is not None:
         assert m <= MAX_M and x.is_contiguous() and norm.residual.is_contiguous()
@@ -248,11 +230,10 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torc
     kernel = (functools.partial(_quant_linear_kernel.warmup, grid=grid) if compile_only
               else _quant_linear_kernel[grid])
     kernel(
-        x, data, scale, scale if x_scale is None else x_scale, out if bias is None else bias, out,
-        part, stats, counters, res, ln_w, ln_b, out if summed is None else summed, eps, m, n, k,
-        k_per_split, x.stride(0), data.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        GELU=gelu, NORM=norm is not None, X_SCALED=x_scale is not None, SPLIT=splits > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        x, data, scale, out if bias is None else bias, out, part, stats, counters, res, ln_w,
+        ln_b, out if summed is None else summed, eps, m, n, k, k_per_split, x.stride(0),
+        data.stride(0), out.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
+        NORM=norm is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages,
         PREFETCH=m_tiles == 1 and _prefetchable(data),
         **(pdl_options(x.device) if _uses_pdl(m) else {"USE_PDL": False}))
@@ -265,17 +246,6 @@ def quant_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
     """x [M, K], data [N, K] 8-bit, scale [N] float32 -> act(x @ (scale * data).T + bias), in
     x's dtype; config None: by M (tile_shape)."""
     return _launch(x, data, scale, bias, gelu, None, config)[0]
-
-
-def fp8_linear(q: torch.Tensor, q_scale: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None, gelu: bool, out_dtype: torch.dtype,
-               config: TileConfig | None = None) -> torch.Tensor:
-    """The fp8 GEMM (W8A8): q float8_e4m3fn [M, K], K a multiple of 32, with its rows' scales
-    q_scale [M, 1],
-    data float8_e4m3fn [N, K] with scale [N] -> act((q_scale * q) @ (scale * data).T + bias)
-    in out_dtype; e4m3 products summed in fp32, both scales applied to the sums."""
-    return _launch(q, data, scale, bias, gelu, None, config, x_scale=q_scale,
-                   out_dtype=out_dtype)[0]
 
 
 def quant_add_norm_linear(x: torch.Tensor, norm: AddNorm, data: torch.Tensor,

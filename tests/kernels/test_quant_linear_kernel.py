@@ -8,11 +8,10 @@ from engine.worker.layers import add_norm_linear as add_norm_linear_reference
 from engine.worker.layers import linear as linear_reference
 from engine.worker.quantization import quantize_weight
 from kernel_cases import DEVICE, DTYPES, INTERPRET, replayed_on_new_inputs, tol
-from kernels.quant_linear import (MAX_TILE_M, fp8_linear, quant_add_norm_linear,
+from kernels.quant_linear import (MAX_TILE_M, quant_add_norm_linear,
                                   quant_add_norm_linear_reference, quant_linear,
                                   quant_linear_reference)
 from kernels.linear import LinearDispatch
-from kernels.layernorm import quantize_rows_fp8
 from kernels.skinny_gemm import MAX_M, AddNorm, TileConfig
 
 METHODS = ["int8", "fp8"]
@@ -90,29 +89,6 @@ def _norm_tol(dtype: torch.dtype) -> dict:
     return dict(atol=6e-2, rtol=1e-2) if INTERPRET and dtype == torch.bfloat16 else tol(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [FP8_GEMM_MIN_ROWS, MAX_TILE_M])
-@pytest.mark.parametrize("gelu", [False, True])
-def test_fp8_linear_sums_fp8_rows_like_the_reference(dtype, m, gelu):
-    """fp8 rows (quantize_rows_fp8) against an fp8 W: e4m3 products summed in fp32, each row's
-    and channel's scale, bias, GELU, as engine.worker.layers.fp8_gemm_linear computes them
-    (one rounding to dtype; its GELU after). Split K over few tiles (224 = 7 steps of 32)."""
-    k, n = 224, 96
-    x = torch.randn(m, k, device=DEVICE).to(dtype)
-    weight = _weight(n, k, "fp8")
-    bias = torch.randn(n, device=DEVICE).to(dtype)
-    q, q_scale = quantize_rows_fp8(x)
-    out = fp8_linear(q, q_scale, weight.data, weight.scale, bias, gelu, dtype)
-
-    def expected(row_scales):
-        y = q.float() @ weight.data.float().t() * row_scales * weight.scale + bias.float()
-        return torch.nn.functional.gelu(y, approximate="tanh") if gelu else y
-
-    torch.testing.assert_close(out, expected(q_scale).to(dtype), **_norm_tol(dtype))
-    # each row's own scale: another row's is far off
-    assert not torch.allclose(out.float(), expected(q_scale.flip(0)), atol=1e-1, rtol=1e-1)
-
-
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("config", [TileConfig(16, 32, 2, 2, 1), TileConfig(32, 16, 4, 3, 1)])
 def test_quant_small_tiles_split_k(method, config):
@@ -141,7 +117,7 @@ def test_dispatch_serves_a_quantized_weight_like_the_engine_reference(method, m)
     against engine.worker.layers' reference, which dequantizes (and from FP8_GEMM_MIN_ROWS
     rows on quantizes an fp8 weight's activations: the fp8 GEMM's numbers, which the
     weight-only kernel misses by ~1 %); a skinny tile config in the table does not apply."""
-    k, n = 224, 96  # K a multiple of 32: the Triton fp8 GEMM's
+    k, n = 208, 96
     x, residual = (torch.randn(m, k, device=DEVICE) for _ in range(2))
     ln_w, ln_b, bias = (torch.randn(d, device=DEVICE) for d in (k, k, n))
     weight = _weight(n, k, method)
@@ -190,7 +166,7 @@ def test_quant_linears_replay_in_a_cuda_graph(method, m):
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", [FP8_GEMM_MIN_ROWS, 64, 200])
+@pytest.mark.parametrize("m", [FP8_GEMM_MIN_ROWS, 200])
 def test_fp8_gemm_mlp_replays_in_a_cuda_graph_like_the_reference(dtype, m):
     """An MLP of fp8 weights through LinearDispatch at rows that take the fp8 GEMM (the add +
     LayerNorm quantizing, cuBLASLt's GEMM, GELU, the rows quantized again), captured and
