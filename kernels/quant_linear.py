@@ -43,7 +43,6 @@ from kernels.skinny_gemm import (MAX_M, AddNorm, TileConfig, _block_n, _block_ro
                                  _row_centres, _splits, skinny_linear_reference, split_k_sum)
 
 MAX_TILE_M = 64  # rows up to which x rides in one tile, W streamed once (as in the skinny GEMM)
-X_TILE_ELEMENTS = 4096  # BLOCK_K x BLOCK_M in one tile: 8 KB of fp16 a pipeline stage
 # 17 to MAX_TILE_M rows: W tiles of 32 rows, K steps of up to 256, no fused norm and no PDL.
 # Over gpt2-xl's four int8 linears on an H100 (whole layers in CUDA graphs, 17-64 rows, 24
 # tiles with and without PDL), the best fixed tile: 42-58 us a layer against 54-76 for the
@@ -72,7 +71,7 @@ def tile_shape(m: int, n: int, sms: int, norm: bool = False, x_bytes: int = 2
         return block_m, MID_TILE._replace(
             block_k=min(MID_TILE.block_k, MID_X_TILE_BYTES // (block_m * x_bytes)))
     return block_m, TileConfig(block_n=64 if triton.cdiv(n, 64) >= sms // 2 else 32,
-                               block_k=min(128, X_TILE_ELEMENTS // block_m),
+                               block_k=128,
                                num_warps=2 if m <= 4 else 4, num_stages=3,
                                min_split_steps=2)
 
