@@ -35,6 +35,9 @@
 #                     three), QUANT_ARGS
 #   quant-sweep       scripts/sweep_skinny.py --quantization Q for Q in SWEEP_QUANT (default
 #                     int8) at SWEEP_WIDTHS (default 1600) and SWEEP_M (default 1,4) (log only)
+#   quant-routes      scripts/sweep_skinny.py --routes at SWEEP_WIDTHS (default 1600) and SWEEP_M
+#                     (default 8,17,32,48,64): each linear as the engine runs it, fp16 / int8 /
+#                     fp8, and the block's totals (log only)
 #   gemv-sweep        scripts/sweep_skinny.py --gemv for the weights in GEMV_WEIGHTS (default fp16
 #                     int8 fp8) at SWEEP_WIDTHS (default 768,1024,1280,1600) and SWEEP_M
 #                     (default 1); every time in gemv-sweep/gemv_<weights>.json
@@ -92,6 +95,7 @@ for stage in "$@"; do
         quant) for q in ${QUANT_METHODS:-fp16 int8 fp8}; do flag=; [ "$q" = fp16 ] || flag="--quantization $q"
                    python3 scripts/bench_latency.py --models "${QUANT_MODELS:-gpt2-xl,gpt2-large}" $flag --out "$dir/$q" ${QUANT_ARGS:-}; done 2>&1 | tee "$log" | grep -v "it/s" ;;
         quant-sweep) for q in ${SWEEP_QUANT:-int8}; do python3 scripts/sweep_skinny.py --quantization "$q" --widths "${SWEEP_WIDTHS:-1600}" --m "${SWEEP_M:-1,4}"; done 2>&1 | tee "$log" ;;
+        quant-routes) python3 scripts/sweep_skinny.py --routes --widths "${SWEEP_WIDTHS:-1600}" --m "${SWEEP_M:-8,17,32,48,64}" 2>&1 | tee "$log" ;;
         gemv-sweep) mkdir -p "$dir"; for w in ${GEMV_WEIGHTS:-fp16 int8 fp8}; do flag=; [ "$w" = fp16 ] || flag="--quantization $w"
                    python3 scripts/sweep_skinny.py --gemv $flag --widths "${SWEEP_WIDTHS:-768,1024,1280,1600}" --m "${SWEEP_M:-1}" --json "$dir/gemv_$w.json"; done 2>&1 | tee "$log" ;;
         quant_tests) python3 -m pytest tests/kernels/test_quant_linear_kernel.py tests/worker/test_quantization.py -q -s 2>&1 | tee "$log" | tail -30 ;;
