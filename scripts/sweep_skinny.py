@@ -69,15 +69,25 @@ def layer_shapes(width: int, layers: list[str]) -> list[tuple[str, int, int, boo
     return [(name, *shapes[name]) for name in layers]
 
 
+def rotated_weights(n: int, k: int, count: int = 16) -> list[torch.Tensor]:
+    """`count` fp16 [N, K] weights on the GPU, to rotate through so each streams from memory."""
+    return [torch.randn(n, k, dtype=torch.float16, device="cuda") * k ** -0.5
+            for _ in range(count)]
+
+
+def layer_operands(n: int, k: int, m: int) -> tuple[torch.Tensor, ...]:
+    """(x, residual, ln_w, ln_b, bias) of an [M, K] -> N layer, layer_call's order."""
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.float16, device="cuda")
+    return randn(m, k), randn(m, k), randn(k), randn(k), randn(n)
+
+
 def time_paths(n: int, k: int, m: int, gelu: bool, norm: bool) -> dict:
     """ms per layer of: the unfused path, each config fused (`norm`: add + LayerNorm in the
     kernel), and for norm layers each config of the plain kernel after the add + LayerNorm
     kernel ("ln+" keys)."""
-    dtype, device = torch.float16, torch.device("cuda")
-    weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5 for _ in range(16)]
-    bias = torch.randn(n, dtype=dtype, device=device)
-    x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
-    ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
+    weights = rotated_weights(n, k)
+    x, residual, ln_w, ln_b, bias = layer_operands(n, k, m)
 
     def time_ms(table: dict) -> float:
         call = layer_call(LinearDispatch(table), x, residual, ln_w, ln_b, bias, norm, gelu)
@@ -127,13 +137,10 @@ def _ms_if_fits(call, weights) -> float:
 
 
 def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
-    dtype, device = torch.float16, torch.device("cuda")
     for name, n, k, gelu, norm in layer_shapes(width, layers):
-        weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5 for _ in range(16)]
+        weights = rotated_weights(n, k)
         qweights = [quantize_weight(w, method) for w in weights]
-        bias = torch.randn(n, dtype=dtype, device=device)
-        x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
-        ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
+        x, residual, ln_w, ln_b, bias = layer_operands(n, k, m)
         key = (n, k, m, gelu, norm)
         fp16 = min(graph_ms(layer_call(LinearDispatch(table), x, residual, ln_w, ln_b, bias,
                                        norm, gelu), weights)
@@ -165,16 +172,13 @@ def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
 def time_routes(width: int, sizes: list[int], layers: list[str]) -> None:
     """Each layer as the engine runs it (LinearDispatch with the fp8 rule, no startup table)
     for fp16, int8 and fp8 weights; then the block's total per M."""
-    dtype, device = torch.float16, torch.device("cuda")
     totals: dict[tuple[int, str], float] = {}
     for name, n, k, gelu, norm in layer_shapes(width, layers):
-        weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5 for _ in range(16)]
+        weights = rotated_weights(n, k)
         by_method = {"fp16": weights, **{q: [quantize_weight(w, q) for w in weights]
                                          for q in ("int8", "fp8")}}
-        bias = torch.randn(n, dtype=dtype, device=device)
-        ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
         for m in sizes:
-            x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
+            x, residual, ln_w, ln_b, bias = layer_operands(n, k, m)
             call = layer_call(LinearDispatch(None, uses_fp8_gemm), x, residual, ln_w, ln_b,
                               bias, norm, gelu)
             times = {q: graph_ms(call, w) * 1e3 for q, w in by_method.items()}
@@ -196,13 +200,10 @@ def sweep_gemv(widths: list[int], m: int, layers: list[str], method: str | None)
                        configs=GEMV_CONFIGS)
     rows = []
     for n, k, gelu, norm in shapes:
-        weights = [torch.randn(n, k, dtype=dtype, device=device) * k ** -0.5
-                   for _ in range(max(8, (200 << 20) // (n * k * (1 if method else 2))))]
+        weights = rotated_weights(n, k, max(8, (200 << 20) // (n * k * (1 if method else 2))))
         if method:
             weights = [quantize_weight(w, method) for w in weights]
-        bias = torch.randn(n, dtype=dtype, device=device)
-        x, residual = (torch.randn(m, k, dtype=dtype, device=device) for _ in range(2))
-        ln_w, ln_b = (torch.randn(k, dtype=dtype, device=device) for _ in range(2))
+        x, residual, ln_w, ln_b, bias = layer_operands(n, k, m)
         key = (n, k, m, gelu, norm)
         times = {config: _ms_if_fits(layer_call(LinearDispatch({key: config} if config else {}),
                                                 x, residual, ln_w, ln_b, bias, norm, gelu),
