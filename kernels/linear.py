@@ -7,7 +7,8 @@ the GEMV where its table says, else kernels/quant_linear.py, fused the same way;
 weight where the engine's rule says (`uses_fp8_gemm`: from 65 rows) runs cuBLASLt's fp8 x fp8
 GEMM (`torch._scaled_mm`, tensor cores) over x quantized by rows (kernels/layernorm.py, behind
 the add + LayerNorm where there is one), each row's and channel's scale and the bias in its
-epilogue. References:
+epilogue, and an int8 weight from INT8_DEQUANT_MIN_ROWS rows is dequantized to x's dtype and
+runs cuBLAS as a 16-bit weight does. References:
 `engine.worker.layers.linear` and `engine.worker.layers.add_norm_linear`.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from kernels import gemv
+from kernels.dequantize import dequantize
 from kernels.gemv import GemvConfig, compile_gemv, gemv_add_norm_linear, gemv_linear
 from kernels.layernorm import add_layer_norm, add_layer_norm_fp8, quantize_rows_fp8
 from kernels.quant_linear import (Weight8, quant_add_norm_linear, quant_linear,
@@ -43,6 +45,12 @@ LinearWins = Mapping[ShapeKey, LinearConfig]
 # of the ten's best, over the four GPT-2 widths' linears at M = 1, fp16, int8 and fp8
 GEMV_CANDIDATES = (GemvConfig(8, 512, 4, 1, True, 2), GemvConfig(8, 256, 4, 1, True, 2),
                    GemvConfig(8, 512, 4, 1, False, 4))
+# From this many rows on, an int8 weight is dequantized to x's dtype (kernels/dequantize.py,
+# into a temporary) and its linear runs on cuBLAS; fewer rows stream it 8-bit
+# (kernels/quant_linear.py). 65: the streaming kernel's 17-64 row tile won up to 64 rows
+# (gpt2-xl's four linears: 59 against 63 us at 64), its GEMM tiles lost from 65 (66-371
+# against 65-257 us at 65-2048 rows; docs/quantization.md)
+INT8_DEQUANT_MIN_ROWS = 65
 
 
 class LinearDispatch:
@@ -50,13 +58,17 @@ class LinearDispatch:
     `wins`: shape -> the config of the kernel that beat the default path (empty: never), a
     TileConfig (skinny GEMM, 16-bit weights) or a GemvConfig. The default is cuBLAS for a
     16-bit weight, kernels/quant_linear.py for an 8-bit one (a weight that is not a tensor),
-    and the fp8 GEMM for an fp8 one where `uses_fp8_gemm(rows, weight)` (the engine's rule,
-    engine.worker.layers.uses_fp8_gemm, which its reference ops follow too; None: never)."""
+    the fp8 GEMM for an fp8 one where `uses_fp8_gemm(rows, weight)` (the engine's rule,
+    engine.worker.layers.uses_fp8_gemm, which its reference ops follow too; None: never), and
+    cuBLAS over the dequantized weight for an int8 one over `int8_dequant_min_rows` rows or
+    more (the reference ops dequantize at every row count)."""
 
     def __init__(self, wins: LinearWins | None = None,
-                 uses_fp8_gemm: Callable[[int, object], bool] | None = None):
+                 uses_fp8_gemm: Callable[[int, object], bool] | None = None,
+                 int8_dequant_min_rows: float = INT8_DEQUANT_MIN_ROWS):
         self.wins = wins or {}
         self.uses_fp8_gemm = uses_fp8_gemm
+        self.int8_dequant_min_rows = int8_dequant_min_rows
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  gelu: bool = False) -> torch.Tensor:
@@ -66,14 +78,12 @@ class LinearDispatch:
         if not isinstance(weight, torch.Tensor):
             if self._takes_fp8_gemm(x, weight):
                 return _fp8_gemm(*quantize_rows_fp8(x), weight, bias, gelu, x.dtype)
+            if self._dequantizes(x, weight):
+                return _cublas_linear(x, _dequantized(weight, x.dtype), bias, gelu)
             return quant_linear(x, weight.data, weight.scale, bias, gelu)
         if config is not None:
             return skinny_linear(x, weight, bias, gelu, config)
-        if not gelu:
-            return F.linear(x, weight, bias)
-        if x.is_cuda:  # bias + tanh-GELU in cuBLASLt's epilogue: no elementwise kernel after
-            return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
-        return F.gelu(F.linear(x, weight, bias), approximate="tanh")  # CPU: torch's is erf's
+        return _cublas_linear(x, weight, bias, gelu)
 
     def add_norm_linear(self, x: torch.Tensor, residual: torch.Tensor,
                         norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float,
@@ -90,7 +100,10 @@ class LinearDispatch:
                 q, q_scale, summed = add_layer_norm_fp8(x, residual, norm_weight, norm_bias,
                                                         eps)
                 return _fp8_gemm(q, q_scale, weight, bias, gelu, x.dtype), summed
-            return quant_add_norm_linear(x, norm, weight.data, weight.scale, bias, gelu)
+            if not self._dequantizes(x, weight):
+                return quant_add_norm_linear(x, norm, weight.data, weight.scale, bias, gelu)
+            normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
+            return _cublas_linear(normed, _dequantized(weight, x.dtype), bias, gelu), summed
         if config is not None:
             return skinny_add_norm_linear(x, norm, weight, bias, gelu, config)
         normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
@@ -99,6 +112,25 @@ class LinearDispatch:
     def _takes_fp8_gemm(self, x: torch.Tensor, weight) -> bool:
         """An 8-bit `weight` over x's rows takes the fp8 GEMM: the engine's rule says so."""
         return self.uses_fp8_gemm is not None and self.uses_fp8_gemm(x.shape[0], weight)
+
+    def _dequantizes(self, x: torch.Tensor, weight) -> bool:
+        """An 8-bit `weight` over x's rows is dequantized for cuBLAS (int8, enough rows)."""
+        return weight.data.dtype == torch.int8 and x.shape[0] >= self.int8_dequant_min_rows
+
+
+def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   gelu: bool) -> torch.Tensor:
+    """x @ weight.T + bias for a 16-bit weight, then GELU(tanh) if asked: cuBLAS on CUDA."""
+    if not gelu:
+        return F.linear(x, weight, bias)
+    if x.is_cuda:  # bias + tanh-GELU in cuBLASLt's epilogue: no elementwise kernel after
+        return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")  # CPU: torch's is erf's
+
+
+def _dequantized(weight, dtype: torch.dtype) -> torch.Tensor:
+    """An 8-bit weight's data * scale in `dtype`, into a temporary (kernels/dequantize.py)."""
+    return dequantize(weight.data, weight.scale, dtype)
 
 
 def _fp8_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight, bias: torch.Tensor, gelu: bool,

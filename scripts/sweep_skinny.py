@@ -17,9 +17,10 @@ its fp8 GEMM (kernels/linear.py) also times that route.
     python scripts/sweep_skinny.py --quantization fp8 --widths 1600 --m 17,64,256,512
 
 With --routes, each layer as the engine runs it (LinearDispatch, the fp8 rule) for fp16, int8
-and fp8 weights, and the block's four linears summed per M:
+(both routes: streamed 8-bit, dequantized for cuBLAS) and fp8 weights, and the block's four
+linears summed per M:
 
-    python scripts/sweep_skinny.py --routes --widths 1600 --m 8,17,32,48,64
+    python scripts/sweep_skinny.py --routes --widths 1600 --m 8,17,32,48,64,65,128,256,512
 
 With --gemv, the GEMV (kernels/gemv.py, M <= 2) over GEMV_CONFIGS against the default path
 (cuBLAS, or quant_linear for 8-bit weights) and the startup table's GEMV candidates (--json
@@ -42,8 +43,8 @@ from triton.runtime.errors import OutOfResources
 from engine.worker.layers import uses_fp8_gemm
 from engine.worker.quantization import STORAGE, quantize_weight
 from kernels.gemv import GemvConfig
-from kernels.linear import (GEMV_CANDIDATES, LinearDispatch, compile_candidates, graph_ms,
-                            layer_call)
+from kernels.linear import (GEMV_CANDIDATES, INT8_DEQUANT_MIN_ROWS, LinearDispatch,
+                            compile_candidates, graph_ms, layer_call)
 from kernels.quant_linear import (MAX_TILE_M, compile_quant_linear, quant_add_norm_linear,
                                   quant_linear)
 from kernels.skinny_gemm import MAX_M, TILE_CANDIDATES, AddNorm, TileConfig
@@ -171,7 +172,11 @@ def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
 
 def time_routes(width: int, sizes: list[int], layers: list[str]) -> None:
     """Each layer as the engine runs it (LinearDispatch with the fp8 rule, no startup table)
-    for fp16, int8 and fp8 weights; then the block's total per M."""
+    for fp16, int8 and fp8 weights, int8 both ways (streamed 8-bit, dequantized for cuBLAS:
+    the engine's is the one INT8_DEQUANT_MIN_ROWS picks); then the block's total per M."""
+    routes = {"fp16": LinearDispatch(), "int8 streamed": LinearDispatch(
+        int8_dequant_min_rows=math.inf), "int8 dequantized": LinearDispatch(
+        int8_dequant_min_rows=1), "fp8": LinearDispatch(None, uses_fp8_gemm)}
     totals: dict[tuple[int, str], float] = {}
     for name, n, k, gelu, norm in layer_shapes(width, layers):
         weights = rotated_weights(n, k)
@@ -179,16 +184,17 @@ def time_routes(width: int, sizes: list[int], layers: list[str]) -> None:
                                          for q in ("int8", "fp8")}}
         for m in sizes:
             x, residual, ln_w, ln_b, bias = layer_operands(n, k, m)
-            call = layer_call(LinearDispatch(None, uses_fp8_gemm), x, residual, ln_w, ln_b,
-                              bias, norm, gelu)
-            times = {q: graph_ms(call, w) * 1e3 for q, w in by_method.items()}
-            for q, t in times.items():
-                totals[m, q] = totals.get((m, q), 0.0) + t
-            print(f"{name} N={n} K={k} M={m}: " + ", ".join(f"{q} {t:.1f} us"
-                                                           for q, t in times.items()), flush=True)
+            times = {route: graph_ms(layer_call(dispatch, x, residual, ln_w, ln_b, bias, norm,
+                                                gelu), by_method[route.split()[0]]) * 1e3
+                     for route, dispatch in routes.items()}
+            for route, t in times.items():
+                totals[m, route] = totals.get((m, route), 0.0) + t
+            print(f"{name} N={n} K={k} M={m}: " + ", ".join(f"{r} {t:.1f} us"
+                                                           for r, t in times.items()), flush=True)
     for m in sizes:
-        print(f"width {width} M={m}, {'+'.join(layers)}: "
-              + ", ".join(f"{q} {totals[m, q]:.1f} us" for q in ("fp16", "int8", "fp8")))
+        engine = "dequantized" if m >= INT8_DEQUANT_MIN_ROWS else "streamed"
+        print(f"width {width} M={m}, {'+'.join(layers)} (int8 {engine} in the engine): "
+              + ", ".join(f"{r} {totals[m, r]:.1f} us" for r in routes))
 
 
 def sweep_gemv(widths: list[int], m: int, layers: list[str], method: str | None) -> list[dict]:

@@ -40,7 +40,7 @@ def test_every_kernel_starts_with_the_pdl_prologue():
         first = ast.unparse(body[0])
         assert (first == "pdl_prologue(USE_PDL)"
                 or first.startswith("pdl_prologue_prefetching(USE_PDL, PREFETCH, ")
-                or first.startswith("w = pdl_prologue_loading(USE_PDL, EARLY, ")), first
+                or first.startswith("w = pdl_prologue_loading(USE_PDL, ")), first
 
 
 def test_cpu_launches_never_use_pdl():
