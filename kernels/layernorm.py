@@ -5,10 +5,10 @@ once. Statistics are fp32 whatever the input dtype. The fused variant also write
 residual stream `x + residual`, rounded to the input dtype first, as the unfused reference
 normalizes it. References: `engine.worker.layers.layer_norm` / `add_layer_norm`.
 
-For an fp8 GEMM's input (kernels/linear.py) the same kernel quantizes the rows it writes, with
-or without the norm: each row rounded to the input dtype (as the reference's activations are),
-then scaled by its own amax to e4m3's range and written as e4m3 beside its float32 scale.
-Reference: `engine.worker.layers.quantize_rows_fp8` of those activations.
+For an fp8 GEMM's input (kernels/linear.py: QKV and FC at 65 rows or more) the fused variant
+quantizes the rows it writes: each row rounded to the input dtype (as the reference's
+activations are), then scaled by its own amax to e4m3's range and written as e4m3 beside its
+float32 scale. Reference: `engine.worker.layers.quantize_rows_fp8` of those activations.
 """
 from __future__ import annotations
 
@@ -38,8 +38,7 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, scale_ptr, n_rows,
-                       n_cols, eps, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr,
-                       FP8_OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                       n_cols, eps, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                        USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -53,15 +52,12 @@ def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, scale_ptr
         x = x.to(sum_ptr.dtype.element_ty)  # round once, as the unfused add does
         tl.store(sum_ptr + offs, x, mask=mask)
         x = x.to(tl.float32)
-    if NORM:
-        mean = tl.sum(x, axis=1) / n_cols
-        centered = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=col_ok).to(tl.float32)[None, :]
-        b = tl.load(b_ptr + cols, mask=col_ok).to(tl.float32)[None, :]
-        y = centered * rstd[:, None] * w + b
-    else:
-        y = x
+    mean = tl.sum(x, axis=1) / n_cols
+    centered = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=col_ok).to(tl.float32)[None, :]
+    b = tl.load(b_ptr + cols, mask=col_ok).to(tl.float32)[None, :]
+    y = centered * rstd[:, None] * w + b
     if FP8_OUT:
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # the activations the reference has
         amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)
@@ -72,7 +68,7 @@ def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, scale_ptr
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, bias, eps, norm=True, fp8_out=False):
+def _launch(x, residual, weight, bias, eps, fp8_out=False):
     n_cols = x.shape[-1]
     x2 = x.reshape(-1, n_cols).contiguous()
     res2 = x2 if residual is None else residual.reshape(-1, n_cols).contiguous()
@@ -87,9 +83,8 @@ def _launch(x, residual, weight, bias, eps, norm=True, fp8_out=False):
     rows = ROWS_PER_PROGRAM if n_rows >= MANY_ROWS else 1
     if n_rows > 0:
         _layer_norm_kernel[(triton.cdiv(n_rows, rows),)](
-            x2, res2, x2 if weight is None else weight, x2 if bias is None else bias, out,
-            summed, scale, n_rows, n_cols, eps, HAS_RESIDUAL=residual is not None, NORM=norm,
-            FP8_OUT=fp8_out, ROWS=rows, BLOCK=block,
+            x2, res2, weight, bias, out, summed, scale, n_rows, n_cols, eps,
+            HAS_RESIDUAL=residual is not None, FP8_OUT=fp8_out, ROWS=rows, BLOCK=block,
             num_warps=min(max(rows * block // 256, 1), 8), **pdl_options(x.device))
     return out, summed, scale
 
@@ -114,8 +109,3 @@ def add_layer_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     q, summed, scale = _launch(x, residual, weight, bias, eps, fp8_out=True)
     return q, scale, summed
 
-
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q float8_e4m3fn [M, K], scale float32 [M, 1]): its rows quantized."""
-    out, _, scale = _launch(x, None, None, None, 0.0, norm=False, fp8_out=True)
-    return out, scale

@@ -3,12 +3,12 @@ or two rows, the GEMV on the CUDA cores, chosen per (N, K, M, gelu, norm), with 
 a table measured on the running GPU at startup. The Triton kernels fuse bias and GELU, and for
 the pre-norm linears (QKV, FC) the residual add and LayerNorm, into one launch. An 8-bit weight
 (the engine's QuantizedWeight: `data` int8 or float8_e4m3fn [N, K], `scale` float32 [N]) takes
-the GEMV where its table says, else kernels/quant_linear.py, fused the same way; but an fp8
-weight where the engine's rule says (`uses_fp8_gemm`: from 65 rows) runs cuBLASLt's fp8 x fp8
-GEMM (`torch._scaled_mm`, tensor cores) over x quantized by rows (kernels/layernorm.py, behind
-the add + LayerNorm where there is one), each row's and channel's scale and the bias in its
-epilogue, and an int8 weight from INT8_DEQUANT_MIN_ROWS rows is dequantized to x's dtype and
-runs cuBLAS as a 16-bit weight does. References:
+the GEMV where its table says, else kernels/quant_linear.py, fused the same way. From
+DEQUANT_MIN_ROWS rows an 8-bit weight is dequantized to x's dtype and runs cuBLAS as a 16-bit
+weight does, but an fp8 weight after the add + LayerNorm where the engine's rule says
+(`uses_fp8_gemm`: from 65 rows) runs cuBLASLt's fp8 x fp8 GEMM (`torch._scaled_mm`, tensor
+cores) over x quantized by rows in the LayerNorm kernel (kernels/layernorm.py), each row's and
+channel's scale and the bias in its epilogue. References:
 `engine.worker.layers.linear` and `engine.worker.layers.add_norm_linear`.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from triton.runtime.errors import OutOfResources
 from kernels import gemv
 from kernels.dequantize import dequantize
 from kernels.gemv import GemvConfig, compile_gemv, gemv_add_norm_linear, gemv_linear
-from kernels.layernorm import add_layer_norm, add_layer_norm_fp8, quantize_rows_fp8
+from kernels.layernorm import add_layer_norm, add_layer_norm_fp8
 from kernels.quant_linear import (Weight8, quant_add_norm_linear, quant_linear,
                                   random_weight8)
 from kernels.skinny_gemm import (MAX_M, TILE_CANDIDATES, AddNorm, TileConfig, compile_skinny,
@@ -45,12 +45,12 @@ LinearWins = Mapping[ShapeKey, LinearConfig]
 # of the ten's best, over the four GPT-2 widths' linears at M = 1, fp16, int8 and fp8
 GEMV_CANDIDATES = (GemvConfig(8, 512, 4, 1, True, 2), GemvConfig(8, 256, 4, 1, True, 2),
                    GemvConfig(8, 512, 4, 1, False, 4))
-# From this many rows on, an int8 weight is dequantized to x's dtype (kernels/dequantize.py,
-# into a temporary) and its linear runs on cuBLAS; fewer rows stream it 8-bit
-# (kernels/quant_linear.py). 65: the streaming kernel's 17-64 row tile won up to 64 rows
-# (gpt2-xl's four linears: 59 against 63 us at 64), its GEMM tiles lost from 65 (66-371
-# against 65-257 us at 65-2048 rows; docs/quantization.md)
-INT8_DEQUANT_MIN_ROWS = 65
+# From this many rows on, an 8-bit weight is dequantized to x's dtype (kernels/dequantize.py,
+# into a temporary) and its linear runs on cuBLAS (but fp8's fp8 GEMM, above); fewer rows
+# stream it 8-bit (kernels/quant_linear.py). 65: the streaming kernel's 17-64 row tile won up
+# to 64 rows (gpt2-xl's four int8 linears: 59 against 63 us at 64), its GEMM tiles lost from
+# 65 (66-371 against 65-257 us at 65-2048 rows; docs/quantization.md)
+DEQUANT_MIN_ROWS = 65
 
 
 class LinearDispatch:
@@ -58,17 +58,17 @@ class LinearDispatch:
     `wins`: shape -> the config of the kernel that beat the default path (empty: never), a
     TileConfig (skinny GEMM, 16-bit weights) or a GemvConfig. The default is cuBLAS for a
     16-bit weight, kernels/quant_linear.py for an 8-bit one (a weight that is not a tensor),
-    the fp8 GEMM for an fp8 one where `uses_fp8_gemm(rows, weight)` (the engine's rule,
-    engine.worker.layers.uses_fp8_gemm, which its reference ops follow too; None: never), and
-    cuBLAS over the dequantized weight for an int8 one over `int8_dequant_min_rows` rows or
-    more (the reference ops dequantize at every row count)."""
+    cuBLAS over the dequantized weight for an 8-bit one over `dequant_min_rows` rows or more
+    (the reference ops dequantize at every row count), but the fp8 GEMM for an fp8 one after
+    the add + LayerNorm where `uses_fp8_gemm(rows, weight)` (the engine's rule,
+    engine.worker.layers.uses_fp8_gemm, which its reference ops follow too; None: never)."""
 
     def __init__(self, wins: LinearWins | None = None,
                  uses_fp8_gemm: Callable[[int, object], bool] | None = None,
-                 int8_dequant_min_rows: float = INT8_DEQUANT_MIN_ROWS):
+                 dequant_min_rows: float = DEQUANT_MIN_ROWS):
         self.wins = wins or {}
         self.uses_fp8_gemm = uses_fp8_gemm
-        self.int8_dequant_min_rows = int8_dequant_min_rows
+        self.dequant_min_rows = dequant_min_rows
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  gelu: bool = False) -> torch.Tensor:
@@ -76,8 +76,6 @@ class LinearDispatch:
         if isinstance(config, GemvConfig):
             return gemv_linear(x, *_operands(weight), bias, gelu, config)
         if not isinstance(weight, torch.Tensor):
-            if self._takes_fp8_gemm(x, weight):
-                return _fp8_gemm(*quantize_rows_fp8(x), weight, bias, gelu, x.dtype)
             if self._dequantizes(x, weight):
                 return _cublas_linear(x, _dequantized(weight, x.dtype), bias, gelu)
             return quant_linear(x, weight.data, weight.scale, bias, gelu)
@@ -114,8 +112,8 @@ class LinearDispatch:
         return self.uses_fp8_gemm is not None and self.uses_fp8_gemm(x.shape[0], weight)
 
     def _dequantizes(self, x: torch.Tensor, weight) -> bool:
-        """An 8-bit `weight` over x's rows is dequantized for cuBLAS (int8, enough rows)."""
-        return weight.data.dtype == torch.int8 and x.shape[0] >= self.int8_dequant_min_rows
+        """An 8-bit `weight` over x's rows is dequantized for cuBLAS (enough rows)."""
+        return x.shape[0] >= self.dequant_min_rows
 
 
 def _cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -43,7 +43,7 @@ from triton.runtime.errors import OutOfResources
 from engine.worker.layers import uses_fp8_gemm
 from engine.worker.quantization import STORAGE, quantize_weight
 from kernels.gemv import GemvConfig
-from kernels.linear import (GEMV_CANDIDATES, INT8_DEQUANT_MIN_ROWS, LinearDispatch,
+from kernels.linear import (GEMV_CANDIDATES, DEQUANT_MIN_ROWS, LinearDispatch,
                             compile_candidates, graph_ms, layer_call)
 from kernels.quant_linear import (MAX_TILE_M, compile_quant_linear, quant_add_norm_linear,
                                   quant_linear)
@@ -173,10 +173,10 @@ def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
 def time_routes(width: int, sizes: list[int], layers: list[str]) -> None:
     """Each layer as the engine runs it (LinearDispatch with the fp8 rule, no startup table)
     for fp16, int8 and fp8 weights, int8 both ways (streamed 8-bit, dequantized for cuBLAS:
-    the engine's is the one INT8_DEQUANT_MIN_ROWS picks); then the block's total per M."""
+    the engine's is the one DEQUANT_MIN_ROWS picks); then the block's total per M."""
     routes = {"fp16": LinearDispatch(), "int8 streamed": LinearDispatch(
-        int8_dequant_min_rows=math.inf), "int8 dequantized": LinearDispatch(
-        int8_dequant_min_rows=1), "fp8": LinearDispatch(None, uses_fp8_gemm)}
+        dequant_min_rows=math.inf), "int8 dequantized": LinearDispatch(
+        dequant_min_rows=1), "fp8": LinearDispatch(None, uses_fp8_gemm)}
     totals: dict[tuple[int, str], float] = {}
     for name, n, k, gelu, norm in layer_shapes(width, layers):
         weights = rotated_weights(n, k)
@@ -192,7 +192,7 @@ def time_routes(width: int, sizes: list[int], layers: list[str]) -> None:
             print(f"{name} N={n} K={k} M={m}: " + ", ".join(f"{r} {t:.1f} us"
                                                            for r, t in times.items()), flush=True)
     for m in sizes:
-        engine = "dequantized" if m >= INT8_DEQUANT_MIN_ROWS else "streamed"
+        engine = "dequantized" if m >= DEQUANT_MIN_ROWS else "streamed"
         print(f"width {width} M={m}, {'+'.join(layers)} (int8 {engine} in the engine): "
               + ", ".join(f"{r} {totals[m, r]:.1f} us" for r in routes))
 

@@ -46,18 +46,22 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(x + bias, approximate="tanh")
 
 
-# From this many rows on, an fp8 weight's linear quantizes its activations too and runs as an
-# fp8 x fp8 GEMM (tensor cores, kernels/linear.py); fewer rows stream the weight and keep x
-# 16-bit. 65: up to 64 rows the weight-streaming kernel's x tile beat the fp8 GEMM plus the
-# activations' quantization at every row count (gpt2-xl's four linears, 38-47 against 46-54
-# us); beyond, the streaming kernel takes GEMM tiles and the fp8 GEMM wins (docs/quantization.md).
+# From this many rows on, an fp8 weight's linear after the add + LayerNorm (QKV, FC) quantizes
+# its activations too, in the LayerNorm kernel, and runs as an fp8 x fp8 GEMM (tensor cores,
+# kernels/linear.py); fewer rows stream the weight and keep x 16-bit. 65: up to 64 rows the
+# weight-streaming kernel's x tile beat the fp8 GEMM plus the activations' quantization at
+# every row count (gpt2-xl's four linears, 38-47 against 46-54 us); beyond, the streaming
+# kernel takes GEMM tiles and the fp8 GEMM wins (docs/quantization.md). The other linears
+# (O, the MLP's projection) would need a quantization kernel of their own: from 65 rows their
+# weight is dequantized for a 16-bit GEMM instead, as every int8 one is.
 FP8_GEMM_MIN_ROWS = 65
 FP8_MAX = 448.0  # e4m3's largest finite value
 FP8_MIN_AMAX = 1e-12  # a row of zeros gets this amax: a finite scale, and its values stay 0
 
 
 def uses_fp8_gemm(rows: int, weight: torch.Tensor | QuantizedWeight) -> bool:
-    """Whether `rows` rows through `weight` take the fp8 x fp8 GEMM (W8A8, per-row scales)."""
+    """Whether `rows` rows through `weight`, after the add + LayerNorm, take the fp8 x fp8 GEMM
+    (W8A8, per-row scales)."""
     return (isinstance(weight, QuantizedWeight) and weight.data.dtype == torch.float8_e4m3fn
             and rows >= FP8_GEMM_MIN_ROWS)
 
@@ -82,12 +86,8 @@ def fp8_gemm_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor,
            gelu: bool = False) -> torch.Tensor:
     """x @ weight.T + bias (weight in F.linear's [out, in] layout), then GELU(tanh) if asked.
-    A QuantizedWeight is dequantized to x's dtype first (kernels/quant_linear.py's kernel
-    dequantizes in registers instead), but for an fp8 one at FP8_GEMM_MIN_ROWS rows or more,
-    which quantizes x too (fp8_gemm_linear)."""
-    if uses_fp8_gemm(x.shape[0], weight):
-        y = fp8_gemm_linear(x, weight, bias)
-        return F.gelu(y, approximate="tanh") if gelu else y
+    A QuantizedWeight is dequantized to x's dtype first (the GPU's kernels do the same from 65
+    rows; up to 64 kernels/quant_linear.py's kernel dequantizes in registers instead)."""
     if isinstance(weight, QuantizedWeight):
         weight = weight.dequantize(x.dtype)
     return bias_gelu(F.linear(x, weight), bias) if gelu else F.linear(x, weight, bias)
@@ -97,8 +97,12 @@ def add_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
                     norm_bias: torch.Tensor, eps: float, weight: torch.Tensor | QuantizedWeight,
                     bias: torch.Tensor, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(LayerNorm(x + residual), weight, bias, gelu), x + residual): the pre-norm
-    block entry, one launch in a decode kernel."""
+    block entry, one launch in a decode kernel. An fp8 weight at FP8_GEMM_MIN_ROWS rows or
+    more quantizes the normed rows too (fp8_gemm_linear)."""
     normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
+    if uses_fp8_gemm(x.shape[0], weight):
+        y = fp8_gemm_linear(normed, weight, bias)
+        return (F.gelu(y, approximate="tanh") if gelu else y), summed
     return linear(normed, weight, bias, gelu), summed
 
 

@@ -7,9 +7,10 @@ block (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj) become `QuantizedLinear`s
 
 Symmetric, so zero stays exact and no zero point is needed. The embedding (tied with the LM
 head), position embedding, LayerNorms and biases stay at the model's dtype, as do the
-activations: the kernels are weight-only (W8A16, kernels/quant_linear.py), but for an fp8
-weight over FP8_GEMM_MIN_ROWS rows or more, whose linear quantizes its rows too for an fp8
-tensor-core GEMM (engine/worker/layers.py, kernels/linear.py). At fp16 the weights
+activations: the kernels are weight-only (W8A16, kernels/quant_linear.py; from 65 rows a
+weight is dequantized for a 16-bit GEMM), but for an fp8 QKV or FC weight over
+FP8_GEMM_MIN_ROWS rows or more, whose linear quantizes its rows too for an fp8 tensor-core GEMM
+(engine/worker/layers.py, kernels/linear.py). At fp16 the weights
 shrink to 53 % (gpt2-xl) to 66 % (gpt2: the 16-bit embedding is a larger share); KV sizing
 measures the memory left after the load, so what they free goes to the KV cache.
 

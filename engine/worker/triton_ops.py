@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 def triton_ops(linear_wins: LinearWins | None = None) -> Ops:
     """Fused Triton ops; linears take the skinny GEMM or the GEMV, in its config, where
     linear_wins says (None: cuBLAS for every 16-bit linear, quant_linear for every 8-bit one),
-    and fp8 weights the fp8 GEMM where uses_fp8_gemm says, as in the reference ops."""
+    and fp8 weights after the add + LayerNorm the fp8 GEMM where uses_fp8_gemm says, as in
+    the reference ops."""
     linear = LinearDispatch(linear_wins, uses_fp8_gemm)
     # opt in: on an H100 one launch a block is faster for gpt2 and slower for gpt2-xl
     # (docs/performance.md), so the default stays op by op until a startup measurement picks

@@ -11,7 +11,7 @@ from kernel_cases import DEVICE, DTYPES, INTERPRET, replayed_on_new_inputs, tol
 from kernels.quant_linear import (MAX_TILE_M, quant_add_norm_linear,
                                   quant_add_norm_linear_reference, quant_linear,
                                   quant_linear_reference)
-from kernels.linear import INT8_DEQUANT_MIN_ROWS, LinearDispatch
+from kernels.linear import DEQUANT_MIN_ROWS, LinearDispatch
 from kernels.skinny_gemm import MAX_M, AddNorm, TileConfig
 
 METHODS = ["int8", "fp8"]
@@ -112,14 +112,14 @@ def test_quant_small_tiles_split_k(method, config):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("m", sorted({1, FP8_GEMM_MIN_ROWS - 1, FP8_GEMM_MIN_ROWS,
-                                      INT8_DEQUANT_MIN_ROWS - 1, INT8_DEQUANT_MIN_ROWS, 130}))
+                                      DEQUANT_MIN_ROWS - 1, DEQUANT_MIN_ROWS, 130}))
 def test_dispatch_serves_a_quantized_weight_like_the_engine_reference(method, m):
     """The engine's QuantizedWeight through LinearDispatch (the Triton backend's linears)
     against engine.worker.layers' reference, which dequantizes (and from FP8_GEMM_MIN_ROWS
-    rows on quantizes an fp8 weight's activations: the fp8 GEMM's numbers, which the
+    rows on quantizes an fp8 weight's normed activations: the fp8 GEMM's numbers, which the
     weight-only kernel misses by ~1 %); a skinny tile config in the table does not apply.
-    From INT8_DEQUANT_MIN_ROWS rows an int8 weight is dequantized as the reference does it,
-    so on the CPU the two are the same ops: equal bit for bit without a bias."""
+    From DEQUANT_MIN_ROWS rows a plain linear's weight is dequantized as the reference does
+    it, so on the CPU the two are the same ops: equal bit for bit without a bias."""
     k, n = 208, 96
     x, residual = (torch.randn(m, k, device=DEVICE) for _ in range(2))
     ln_w, ln_b, bias = (torch.randn(d, device=DEVICE) for d in (k, k, n))
@@ -138,7 +138,7 @@ def test_dispatch_serves_a_quantized_weight_like_the_engine_reference(method, m)
                                                        bias, True)
     torch.testing.assert_close(out, expected, **close)
     torch.testing.assert_close(summed, expected_sum, **tol(torch.float32))
-    if method == "int8" and m >= INT8_DEQUANT_MIN_ROWS and DEVICE == "cpu":
+    if m >= DEQUANT_MIN_ROWS and DEVICE == "cpu":
         assert torch.equal(dispatch(x, weight, None), linear_reference(x, weight, None))
 
 
@@ -172,12 +172,12 @@ def test_quant_linears_replay_in_a_cuda_graph(method, m):
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs")
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m", sorted({FP8_GEMM_MIN_ROWS, INT8_DEQUANT_MIN_ROWS, 200}))
+@pytest.mark.parametrize("m", sorted({FP8_GEMM_MIN_ROWS, DEQUANT_MIN_ROWS, 200}))
 def test_gemm_route_mlp_replays_in_a_cuda_graph_like_the_reference(method, dtype, m):
     """An MLP of 8-bit weights through LinearDispatch at rows that take a tensor-core GEMM
-    (fp8: the add + LayerNorm quantizing, cuBLASLt's fp8 GEMM, GELU, the rows quantized again;
-    int8: the weights dequantized for cuBLAS), captured and replayed on new inputs, against
-    engine.worker.layers' reference ops."""
+    (fp8: the add + LayerNorm quantizing, cuBLASLt's fp8 GEMM, GELU, then the projection's
+    weight dequantized for cuBLAS; int8: both weights dequantized for cuBLAS), captured and
+    replayed on new inputs, against engine.worker.layers' reference ops."""
     k, n = 1600, 6400
     x, residual = (torch.randn(m, k, device=DEVICE, dtype=dtype) for _ in range(2))
     ln_w, ln_b = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype), \
@@ -198,7 +198,8 @@ def test_gemm_route_mlp_replays_in_a_cuda_graph_like_the_reference(method, dtype
         # after, so a hidden value one bf16 step apart (outputs ~1-4: a step is up to 0.03)
         torch.testing.assert_close(out, expected, atol=3e-2, rtol=2e-2)
         return
-    # a hidden value one e4m3 step apart moves an output by up to ~0.1 (bf16, 200 rows: 2 of
+    # the FC's fp8 MMAs sum in less than fp32's precision: a hidden value one bf16 step apart
+    # moves an output by up to ~0.1 (when the projection took e4m3 inputs too, 200 rows: 2 of
     # 320k elements past 0.05 on an H100)
     torch.testing.assert_close(out, expected, atol=1e-1, rtol=5e-2)
     weight_only = quant_linear(quant_add_norm_linear_reference(

@@ -74,7 +74,7 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
 def gate_figures(reference: GPT2, quantized: GPT2) -> tuple[float, float]:
     """(mean KL(reference || quantized) in nats, top-1 agreement) over the teacher-forced
     positions of 8 random 80-token prompts: FP8_GEMM_MIN_ROWS rows or more, so fp8's figures
-    are its fp8 GEMM's (W8A8)."""
+    are those of its fp8 GEMM (W8A8) in QKV and FC."""
     kls, agree = [], []
     for prompt in random_prompts(8, 80, seed=1):
         assert len(prompt) >= FP8_GEMM_MIN_ROWS
@@ -204,7 +204,8 @@ def test_a_quantized_target_verifies_its_quantized_draft(checkpoint, method):
     """The draft inherits the target's quantization; the target's verification decides every
     token, so greedy output is the quantized target's own: equal. The verification steps (4
     tokens x 16 sequences) stay under FP8_GEMM_MIN_ROWS, so fp8 computes them weight-only as
-    it does plain decode steps (its prefills, the same in both runs, are W8A8)."""
+    it does plain decode steps (its prefills, the same in both runs, are W8A8 in QKV and
+    FC)."""
     spec = {"model": str(checkpoint), "num_speculative_tokens": 3}
     llm = make_llm(checkpoint, quantization=method, speculative_config=spec)
     draft = llm.engine.core.runner.speculation.drafter.runner.model
