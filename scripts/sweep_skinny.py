@@ -11,8 +11,9 @@ the norm fused in it also times the add + LayerNorm kernel followed by the plain
 
 With --quantization, the 8-bit kernel (kernels/quant_linear.py) instead: its default tile
 (tile_shape) and each config, against the 16-bit layer's best (cuBLAS or a startup-table
-skinny config); GB/s counts the 8-bit weight bytes. fp8 at the rows where the engine takes
-its fp8 GEMM (kernels/linear.py) also times that route.
+skinny config); GB/s counts the 8-bit weight bytes. At the rows where the engine takes
+another route (kernels/linear.py: the fp8 GEMM, or the weight dequantized for cuBLAS) it times
+that route too.
 
     python scripts/sweep_skinny.py --quantization fp8 --widths 1600 --m 17,64,256,512
 
@@ -149,10 +150,11 @@ def sweep_quant(width: int, m: int, layers: list[str], method: str) -> None:
         args = (x, residual, ln_w, ln_b, bias, norm, gelu)
         default = graph_ms(quant_call(*args, None), qweights)
         route = ""
-        if uses_fp8_gemm(m, qweights[0]):  # what the engine runs there
+        if m >= DEQUANT_MIN_ROWS:  # the engine runs another route there
             route_ms = graph_ms(layer_call(LinearDispatch(None, uses_fp8_gemm), x, residual,
                                            ln_w, ln_b, bias, norm, gelu), qweights)
-            route = f"fp8 GEMM route {route_ms * 1e3:.2f} us; "
+            kind = "fp8 GEMM" if norm and uses_fp8_gemm(m, qweights[0]) else "dequantized"
+            route = f"engine's route ({kind}) {route_ms * 1e3:.2f} us; "
         configs = QUANT_CONFIGS if m <= MAX_TILE_M else LARGE_QUANT_CONFIGS
         with ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool, \
                 triton.AsyncCompileMode(pool, ignore_errors=True):  # compile all, then time
