@@ -76,7 +76,7 @@ class LinearDispatch:
         if isinstance(config, GemvConfig):
             return gemv_linear(x, *_operands(weight), bias, gelu, config)
         if not isinstance(weight, torch.Tensor):
-            if self._dequantizes(x, weight):
+            if self._dequantizes(x):
                 return _cublas_linear(x, _dequantized(weight, x.dtype), bias, gelu)
             return quant_linear(x, weight.data, weight.scale, bias, gelu)
         if config is not None:
@@ -98,7 +98,7 @@ class LinearDispatch:
                 q, q_scale, summed = add_layer_norm_fp8(x, residual, norm_weight, norm_bias,
                                                         eps)
                 return _fp8_gemm(q, q_scale, weight, bias, gelu, x.dtype), summed
-            if not self._dequantizes(x, weight):
+            if not self._dequantizes(x):
                 return quant_add_norm_linear(x, norm, weight.data, weight.scale, bias, gelu)
             normed, summed = add_layer_norm(x, residual, norm_weight, norm_bias, eps)
             return _cublas_linear(normed, _dequantized(weight, x.dtype), bias, gelu), summed
@@ -111,8 +111,8 @@ class LinearDispatch:
         """An 8-bit `weight` over x's rows takes the fp8 GEMM: the engine's rule says so."""
         return self.uses_fp8_gemm is not None and self.uses_fp8_gemm(x.shape[0], weight)
 
-    def _dequantizes(self, x: torch.Tensor, weight) -> bool:
-        """An 8-bit `weight` over x's rows is dequantized for cuBLAS (enough rows)."""
+    def _dequantizes(self, x: torch.Tensor) -> bool:
+        """An 8-bit weight over x's rows is dequantized for cuBLAS (where no fp8 GEMM runs)."""
         return x.shape[0] >= self.dequant_min_rows
 
 
