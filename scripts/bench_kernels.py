@@ -11,7 +11,8 @@ each output written once); achieved FLOP/s count the useful (causal) attention F
 sit next to the device's copy bandwidth (a 1 GiB device-to-device copy, read + write) and its
 fp16 matmul rate, both measured here. Attention is also timed against
 torch.nn.functional.scaled_dot_product_attention on the same data unpaged, and against the torch
-reference. --sweep also times the tuning knobs of kernels/paged_attention.py.
+reference. --sweep also times the tuning knobs of kernels/paged_attention.py and
+kernels/sampling.py.
 Writes kernels_<device>.json and kernels_<device>.md to --out.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from engine.worker.layers import TORCH_OPS
 from engine.worker.layers import sample as sample_reference
 from engine.worker.triton_ops import triton_ops
 from kernels import paged_attention as pa
+from kernels import sampling
 from kernels.sampling import row_sample
 from kernels.skinny_gemm import (AddNorm, skinny_add_norm_linear,
                                  skinny_add_norm_linear_reference, skinny_linear)
@@ -55,6 +57,7 @@ TARGETS = [  # (row name, metric, threshold, text)
 DECODE_SWEEP = [(32, 2, 4), (32, 4, 4), (32, 1, 4), (64, 2, 4), (64, 4, 2), (64, 4, 8),
                 (64, 8, 4), (128, 4, 4), (128, 8, 4)]
 PREFILL_SWEEP = [(64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 3), (64, 128, 4, 2)]
+SAMPLE_SWEEP = [(1024, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]  # (CHUNK, warps)
 
 
 @functools.lru_cache(maxsize=1)
@@ -179,7 +182,7 @@ def elementwise_rows() -> list[dict]:
     ]
 
 
-def sampling_rows() -> list[dict]:
+def sampling_rows(tag: str = "") -> list[dict]:
     """Temperature draws from fp32 logits (what the decode graphs capture) against the torch
     reference of the same hashed-noise race; bytes: the logits, read once."""
     rows = []
@@ -187,7 +190,8 @@ def sampling_rows() -> list[dict]:
         logits = torch.randn(batch, 50257, device="cuda") * 3
         temperature = torch.ones(batch, device="cuda")
         seeds = torch.randint(0, 2 ** 62, (batch,), device="cuda")
-        row = op_row(f"sample B{batch} V50257", 0, lambda: row_sample(logits, temperature, seeds),
+        row = op_row(f"sample B{batch} V50257{tag}", 0,
+                     lambda: row_sample(logits, temperature, seeds),
                      lambda: sample_reference(logits, temperature, seeds))
         row["bytes"] = logits.numel() * logits.element_size()
         rows.append(row)
@@ -255,7 +259,8 @@ def add_norm_row(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
 
 
 def sweep_rows() -> list[dict]:
-    """The attention cases again under other tuning knobs (restored afterwards)."""
+    """The attention and sampling cases again under other tuning knobs (restored
+    afterwards)."""
     rows, saved = [], {k: getattr(pa, k) for k in dir(pa) if k.startswith(("DECODE_", "PREFILL_"))}
     for block_n, warps, per_sm in DECODE_SWEEP:
         pa.DECODE_BLOCK_N, pa.DECODE_NUM_WARPS, pa.DECODE_PROGRAMS_PER_SM = block_n, warps, per_sm
@@ -272,6 +277,11 @@ def sweep_rows() -> list[dict]:
         rows.append(attention_row("prefill B2 ctx1024 H12" + tag, [1024] * 2, [1024] * 2, 12))
     for attr, value in saved.items():
         setattr(pa, attr, value)
+    saved = sampling.CHUNK, sampling.NUM_WARPS
+    for chunk, warps in SAMPLE_SWEEP:
+        sampling.CHUNK, sampling.NUM_WARPS = chunk, warps
+        rows += sampling_rows(f" [CHUNK={chunk} warps={warps}]")
+    sampling.CHUNK, sampling.NUM_WARPS = saved
     return rows
 
 
