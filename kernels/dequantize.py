@@ -1,9 +1,9 @@
 """An 8-bit weight widened for a 16-bit GEMM: out[n, k] = data[n, k] * scale[n] in out's
 dtype, each product in fp32 and rounded once, for the linears that run cuBLAS over a
 dequantized 8-bit weight (kernels/linear.py: from 65 rows every int8 one, fp8's O and MLP
-projection). A memory-bound copy: one byte read and two
-written per element. One program per tile of ELEMENTS elements, its 8-bit tile loaded
-before the PDL wait (weights never depend on the kernel before). Reference:
+projection). A memory-bound copy: one byte read and two written per element. One program per
+tile of ELEMENTS elements, its 8-bit tile loaded before the PDL wait (weights never depend on
+the kernel before). Reference:
 `engine.worker.layers.QuantizedWeight.dequantize`.
 """
 from __future__ import annotations

@@ -38,7 +38,8 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, scale_ptr, n_rows,
-                       n_cols, eps, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                       n_cols, eps, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK: tl.constexpr,
                        USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
