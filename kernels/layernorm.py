@@ -109,4 +109,3 @@ def add_layer_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     rows, q float8_e4m3fn [M, K] and scale float32 [M, 1], in one launch."""
     q, summed, scale = _launch(x, residual, weight, bias, eps, fp8_out=True)
     return q, scale, summed
-
