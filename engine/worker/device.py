@@ -5,7 +5,8 @@ import torch
 
 from engine.core.config import EngineConfig
 from engine.worker.cuda_graphs import GraphPlan
-from engine.worker.layers import TORCH_OPS, LinearShape, Ops
+from engine.worker.layers import TORCH_OPS, Ops
+from engine.worker.models.gpt2 import GPT2Config
 from engine.worker.startup import StartupCache
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,17 +34,22 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def ops_for(backend: str, linear_shapes: list[LinearShape], config: EngineConfig,
-            dtype: torch.dtype, device: torch.device, cache: StartupCache
-            ) -> tuple[Ops, str | None]:
+def ops_for(backend: str, model_config: GPT2Config, config: EngineConfig, dtype: torch.dtype,
+            device: torch.device, cache: StartupCache) -> tuple[Ops, str | None]:
     """The Triton backend's ops (imported lazily: CPU runs need no Triton), linears routed
     by this GPU's linear table (skinny GEMM, GEMV) at the graphs' row counts, for the weights
-    as quantized; and the table's source ("cached", "measured"; None: no table)."""
+    as quantized, and blocks in one launch at the decode row counts where that was faster;
+    and the table's source ("cached", "measured"; None: no table)."""
     if backend != "triton":
         return TORCH_OPS, None
-    from engine.worker.triton_ops import measured_triton_ops, triton_ops
+    from engine.worker.triton_ops import (measured_one_launch_blocks, measured_triton_ops,
+                                          triton_ops)
 
     if config.model.enforce_eager:
         return triton_ops(), None
-    return measured_triton_ops(linear_shapes, GraphPlan.of(config).linear_row_counts(), dtype,
-                               device, cache, config.model.quantization)
+    quantization = config.model.quantization
+    ops, source = measured_triton_ops(model_config.linear_shapes,
+                                      GraphPlan.of(config).linear_row_counts(), dtype, device,
+                                      cache, quantization)
+    return measured_one_launch_blocks(ops, model_config, dtype, device, cache, quantization,
+                                      config.cache.block_size), source

@@ -52,7 +52,7 @@ class ModelRunner:
             torch.empty(1, device=self.device)
             self.startup.add("CUDA init", time.perf_counter() - start)
         start = time.perf_counter()
-        ops, table_source = ops_for(self.attention_backend, model_config.linear_shapes, config,
+        ops, table_source = ops_for(self.attention_backend, model_config, config,
                                     self.dtype, self.device, self.startup_cache)
         table_seconds = time.perf_counter() - start
         self.model = load_gpt2(model_dir, model_config, self.dtype, self.device, ops,
@@ -60,7 +60,7 @@ class ModelRunner:
         quantize_linears(self.model, config.model.quantization)
         self.startup.add("load", time.perf_counter() - start - table_seconds)
         if table_source is not None:
-            self.startup.add("linear table", table_seconds, table_source)
+            self.startup.add("kernel table", table_seconds, table_source)
         ops = self.model.ops
         self.sampler = Sampler(config.model.seed, ops.sample, ops.masked_sample,
                                ops.token_logprobs)

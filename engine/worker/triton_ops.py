@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from engine.worker.attention import AttentionMetadata
 from engine.worker.layers import LinearShape, Ops, uses_fp8_gemm
+from engine.worker.models.gpt2 import GPT2Config
+from engine.worker.one_launch_blocks import one_launch_rows
 from engine.worker.quantization import STORAGE
 from engine.worker.startup import StartupCache, device_key, source_hash
 from kernels import decode_layer
@@ -26,21 +29,31 @@ from kernels.skinny_gemm import TILE_CANDIDATES, TileConfig
 log = logging.getLogger(__name__)
 
 
-def triton_ops(linear_wins: LinearWins | None = None) -> Ops:
+def triton_ops(linear_wins: LinearWins | None = None, one_launch_rows: int = 0) -> Ops:
     """Fused Triton ops; linears take the skinny GEMM or the GEMV, in its config, where
     linear_wins says (None: cuBLAS for every 16-bit linear, quant_linear for every 8-bit one),
     and fp8 weights after the add + LayerNorm the fp8 GEMM where uses_fp8_gemm says, as in
-    the reference ops."""
+    the reference ops; a decode step of at most `one_launch_rows` rows runs each block in one
+    launch, unless GPT2_SERVE_DECODE_LAYER says otherwise (`forced_one_launch_rows`)."""
     linear = LinearDispatch(linear_wins, uses_fp8_gemm)
-    # opt in: on an H100 one launch a block is faster for gpt2 and slower for gpt2-xl
-    # (docs/performance.md), so the default stays op by op until a startup measurement picks
-    one_launch_blocks = os.environ.get("GPT2_SERVE_DECODE_LAYER", "0") == "1"
+    forced = forced_one_launch_rows()
+    rows = one_launch_rows if forced is None else forced
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                add_norm_linear=linear.add_norm_linear, sample=row_sample,
                masked_sample=masked_row_sample, token_logprobs=token_logprobs,
                copy_staged_blocks=copy_staged_blocks, gather_tokens=gather_tokens,
-               decode_block=decode_block if one_launch_blocks else None,
-               decode_block_rows=decode_layer.MAX_ROWS if one_launch_blocks else 0)
+               decode_block=decode_block if rows else None, decode_block_rows=rows)
+
+
+def forced_one_launch_rows() -> int | None:
+    """GPT2_SERVE_DECODE_LAYER=1: one launch a block at up to decode_layer.MAX_ROWS rows;
+    0: never; unset: as measured at startup (measured_one_launch_blocks)."""
+    flag = os.environ.get("GPT2_SERVE_DECODE_LAYER")
+    if flag is None:
+        return None
+    if flag not in ("0", "1"):
+        raise ValueError(f"GPT2_SERVE_DECODE_LAYER={flag!r}: expected 0 or 1")
+    return decode_layer.MAX_ROWS if flag == "1" else 0
 
 
 def decode_block(block: nn.Module, hidden: torch.Tensor, residual: torch.Tensor,
@@ -80,12 +93,40 @@ def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],
         "linear-table", key,
         lambda: measure_linear_wins(shapes, batch_sizes, dtype, device,
                                     STORAGE[quantization] if quantization else None),
-        encode=lambda table: [[*shape, type(config).__name__, list(config)]
-                              for shape, config in table.items()],
+        encode=_encoded_wins,
         decode=lambda rows: {tuple(row[:5]): CONFIG_TYPES[row[5]](*row[6]) for row in rows})
     log.info("fused linear kernels %s faster than the default path for %d of the decode "
              "shapes", "(cached table) are" if cached else "measured", len(wins))
     return triton_ops(wins), "cached" if cached else "measured"
+
+
+def measured_one_launch_blocks(ops: Ops, cfg: GPT2Config, dtype: torch.dtype,
+                               device: torch.device, cache: StartupCache,
+                               quantization: str | None, block_size: int) -> Ops:
+    """`ops` with one launch a block at the decode row counts where it beat op by op on this
+    GPU for cfg's blocks (engine/worker/one_launch_blocks.py; the answer from `cache` when
+    stored); as given where GPT2_SERVE_DECODE_LAYER forces a choice."""
+    if forced_one_launch_rows() is not None:
+        return ops
+    key = {**device_key(device), "dtype": str(dtype), "quantization": quantization,
+           "block": [cfg.n_embd, cfg.n_head, cfg.n_inner, cfg.n_layer], "block_size": block_size,
+           "linear_table": _encoded_wins(ops.linear.wins),
+           "source": source_hash("kernels", "engine/worker/models")}
+    (rows, times), cached = cache.get_or_measure(
+        "one-launch-blocks", key,
+        lambda: one_launch_rows(replace(ops, decode_block=decode_block), TritonAttention(), cfg,
+                                decode_layer.MAX_ROWS, dtype, device, quantization, block_size),
+        encode=lambda value: [value[0], [[r, *t] for r, t in value[1].items()]],
+        decode=lambda value: (value[0], {r: (a, b) for r, a, b in value[1]}))
+    timed = ", ".join(f"{r} row{'s' if r > 1 else ''} {a:.1f} us op by op, {b:.1f} in one"
+                      for r, (a, b) in times.items())
+    log.info("one launch a block at decode steps of up to %d rows (%s a block: %s)", rows,
+             "cached" if cached else "measured", timed)
+    return replace(ops, decode_block=decode_block if rows else None, decode_block_rows=rows)
+
+
+def _encoded_wins(table: LinearWins) -> list:
+    return [[*shape, type(config).__name__, list(config)] for shape, config in table.items()]
 
 
 CONFIG_TYPES = {config_type.__name__: config_type for config_type in (TileConfig, GemvConfig)}
