@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import replace
 
 import torch
@@ -112,6 +113,7 @@ def measured_one_launch_blocks(ops: Ops, cfg: GPT2Config, dtype: torch.dtype,
            "block": [cfg.n_embd, cfg.n_head, cfg.n_inner, cfg.n_layer], "block_size": block_size,
            "linear_table": _encoded_wins(ops.linear.wins),
            "source": source_hash("kernels", "engine/worker/models")}
+    start = time.perf_counter()
     (rows, times), cached = cache.get_or_measure(
         "one-launch-blocks", key,
         lambda: one_launch_rows(replace(ops, decode_block=decode_block), TritonAttention(), cfg,
@@ -120,8 +122,8 @@ def measured_one_launch_blocks(ops: Ops, cfg: GPT2Config, dtype: torch.dtype,
         decode=lambda value: (value[0], {r: (a, b) for r, a, b in value[1]}))
     timed = ", ".join(f"{r} row{'s' if r > 1 else ''} {a:.1f} us op by op, {b:.1f} in one"
                       for r, (a, b) in times.items())
-    log.info("one launch a block at decode steps of up to %d rows (%s a block: %s)", rows,
-             "cached" if cached else "measured", timed)
+    log.info("one launch a block at decode steps of up to %d rows (%s a block: %s; %.1f s)",
+             rows, "cached" if cached else "measured", timed, time.perf_counter() - start)
     return replace(ops, decode_block=decode_block if rows else None, decode_block_rows=rows)
 
 
