@@ -10,10 +10,12 @@ split a large mask between them (each sequence's matcher lives in one child).
     ... schedule the next step ...
     take_mask()                  ◀── replies ─  the sequences completed since the last one
 
-Each child's requests and replies go through its socket in order (advances and releases wait
-for the next request, to travel with it in one message); the bitmask lies in an anonymous
-shared memory file (memfd) that every child maps, page-locked for the GPU when `pin`. A
-child ends when its socket closes: when the core closes it, or when the core's process dies.
+Each child takes its requests in order (advances and releases wait for the next request, to
+travel with it in one batch): through its shared-memory mailbox while it spins, else its
+socket (engine/structured/mailbox.py); replies take the socket. Children spin only where the
+CPUs allow (SPARE_CPUS). The bitmask lies in an anonymous shared memory file (memfd) that every
+child maps, page-locked for the GPU when `pin`. A child ends when its socket closes: when the
+core closes it, or when the core's process dies.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import weakref
 from collections import OrderedDict
 from multiprocessing.connection import Connection
@@ -33,6 +36,8 @@ import numpy as np
 from engine.core.batch import GrammarMask
 from engine.core.request import StructuredOutputsParams
 from engine.structured.grammar import compiler
+from engine.structured.mailbox import SIZE as MAILBOX_SIZE
+from engine.structured.mailbox import SLEEP_CHECK, SPIN_SECONDS, Mailbox
 from engine.structured.manager import (ALL_ALLOWED, MASK_WORDS, MAX_CACHED_GRAMMARS,
                                       StructuredOutputs)
 
@@ -42,21 +47,27 @@ ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `engine`
 # children per step mean fewer messages
 SEQS_PER_CHILD = 16
 CHILD_EXIT_WAIT = 10  # seconds a closing GrammarProcess waits for each child to exit
+SPARE_CPUS = 4  # CPUs left besides spinning children: the core, two API servers, one more
 
 
 class _Child:
-    """One child process and its end of their socket."""
+    """One child process, its end of their socket and the child's mailbox."""
 
-    def __init__(self, memory_fd: int, max_rows: int) -> None:
+    def __init__(self, memory_fd: int, max_rows: int, mailboxes: tuple[int, mmap.mmap],
+                 index: int, spin: bool) -> None:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+        mailbox_fd, mailbox_memory = mailboxes
         self.process = subprocess.Popen(
             [sys.executable, "-c", "import sys; from engine.structured.process import main; "
-             "main(sys.argv[1:])", str(theirs.fileno()), str(memory_fd), str(max_rows)],
-            pass_fds=(theirs.fileno(), memory_fd), env=env)
+             "main(sys.argv[1:])", str(theirs.fileno()), str(memory_fd), str(max_rows),
+             str(mailbox_fd), str(index), str(int(spin))],
+            pass_fds=(theirs.fileno(), memory_fd, mailbox_fd), env=env)
         theirs.close()
         self.conn = Connection(ours.detach())
+        self.mailbox = Mailbox(mailbox_memory, index)
+        self._number = 0  # of the last batch sent
         self._queued: list[tuple] = []  # messages without a reply, sent with the next one
         self.num_seqs = 0  # sequences whose grammar it holds
         self._replies: dict[str, object] = {}  # replies read while waiting for another
@@ -65,10 +76,16 @@ class _Child:
         self._queued.append(message)
 
     def send(self, message: tuple) -> None:
-        """Send the queued messages and this one, in order, as one."""
+        """Send the queued messages and this one, in order, as one numbered batch: into the
+        mailbox where it takes it (engine/structured/mailbox.py), else over the socket."""
         batch, self._queued = [*self._queued, message], []
+        self._number += 1
+        posted = self.mailbox.post(self._number, batch)
         try:
-            self.conn.send(batch)
+            if posted is None:
+                self.conn.send((self._number, batch))
+            elif posted == "wake":
+                self.conn.send((None, []))
         except OSError as err:
             raise RuntimeError(f"the grammar process is gone ({err})") from err
 
@@ -91,14 +108,23 @@ class GrammarProcess:
     processes."""
 
     def __init__(self, max_rows: int, num_children: int = 1, pin: bool = False,
-                 seqs_per_child: int = SEQS_PER_CHILD) -> None:
+                 seqs_per_child: int = SEQS_PER_CHILD, spin: bool | None = None) -> None:
+        """`spin`: children spin between batches, so a batch in the mailbox needs no wake
+        (None: where the CPUs allow, SPARE_CPUS besides the children)."""
+        if spin is None:
+            spin = len(os.sched_getaffinity(0)) >= num_children + SPARE_CPUS
         size = max_rows * MASK_WORDS * 4
         memory_fd = os.memfd_create("gpt2-serve-grammar-mask")
         os.ftruncate(memory_fd, size)
-        self._children = [_Child(memory_fd, max_rows) for _ in range(num_children)]
+        mailbox_fd = os.memfd_create("gpt2-serve-grammar-mailboxes")
+        os.ftruncate(mailbox_fd, num_children * MAILBOX_SIZE)
+        self._mailboxes = mmap.mmap(mailbox_fd, num_children * MAILBOX_SIZE)
+        self._children = [_Child(memory_fd, max_rows, (mailbox_fd, self._mailboxes), i, spin)
+                          for i in range(num_children)]
         self.pids = [child.process.pid for child in self._children]
         self._memory = mmap.mmap(memory_fd, size)
         os.close(memory_fd)
+        os.close(mailbox_fd)
         self._bitmask = np.ndarray((max_rows, MASK_WORDS), np.int32, self._memory)
         pinned = pin and _pin(self._bitmask)
         # on close or collection: a registration outliving its mapping would refuse the next
@@ -218,18 +244,55 @@ def _pin(array: np.ndarray) -> bool:
     return code == 0
 
 
-def serve(conn: Connection, bitmask: np.ndarray) -> None:
+def serve(conn: Connection, bitmask: np.ndarray, mailbox: Mailbox, spin: bool) -> None:
     """A child's loop: every message in order, until the socket closes. It sets xgrammar's
     compiler up first (seconds of imports), so that its first grammar does not wait for it."""
     compiler()
     grammars = StructuredOutputs(len(bitmask), bitmask)
-    while True:
-        try:
-            batch = conn.recv()
-        except (EOFError, OSError):
-            return
+    for batch in _Inbox(conn, mailbox, spin):
         for message in batch:
             _handle(conn, grammars, message)
+
+
+class _Inbox:
+    """A child's batches in number order, from its mailbox and its socket (mailbox.py). Once
+    it has run out of batches a spinning child spins SPIN_SECONDS, then sleeps on the socket."""
+
+    def __init__(self, conn: Connection, mailbox: Mailbox, spin: bool) -> None:
+        self.conn, self.mailbox, self.spin = conn, mailbox, spin
+        self.ahead: dict[int, list] = {}  # batches read before their turn, by number
+        mailbox.set_spinning(spin)
+
+    def __iter__(self):
+        number = 1
+        while (batch := self._wait_for(number)) is not None:
+            yield batch
+            number += 1
+
+    def _wait_for(self, number: int) -> list | None:
+        """Batch `number` (None once the socket has closed)."""
+        awake_until = time.monotonic() + SPIN_SECONDS if self.spin else 0.0
+        while number not in self.ahead:
+            taken = self.mailbox.take()
+            if taken is not None:
+                self.ahead[taken[0]] = taken[1]
+                continue
+            ready = self.conn.poll(0)
+            if not ready and time.monotonic() >= awake_until:  # asleep until the socket speaks
+                if self.mailbox.set_spinning(False):  # a batch came while it was deciding
+                    continue
+                ready = self.conn.poll(SLEEP_CHECK if self.spin else None)
+                if ready and self.spin:
+                    self.mailbox.set_spinning(True)
+                    awake_until = time.monotonic() + SPIN_SECONDS
+            if ready:
+                try:
+                    got, batch = self.conn.recv()
+                except (EOFError, OSError):
+                    return None
+                if got is not None:  # else a wake
+                    self.ahead[got] = batch
+        return self.ahead.pop(number)
 
 
 def _handle(conn: Connection, grammars: StructuredOutputs, message: tuple) -> None:
@@ -257,7 +320,10 @@ def _handle(conn: Connection, grammars: StructuredOutputs, message: tuple) -> No
 
 
 def main(argv: list[str]) -> None:
-    conn_fd, memory_fd, max_rows = (int(a) for a in argv)
+    conn_fd, memory_fd, max_rows, mailbox_fd, index, spin = (int(a) for a in argv)
     memory = mmap.mmap(memory_fd, max_rows * MASK_WORDS * 4)
     os.close(memory_fd)
-    serve(Connection(conn_fd), np.ndarray((max_rows, MASK_WORDS), np.int32, memory))
+    mailboxes = mmap.mmap(mailbox_fd, (index + 1) * MAILBOX_SIZE)
+    os.close(mailbox_fd)
+    serve(Connection(conn_fd), np.ndarray((max_rows, MASK_WORDS), np.int32, memory),
+          Mailbox(mailboxes, index), bool(spin))

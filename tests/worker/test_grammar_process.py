@@ -1,6 +1,7 @@
 """GrammarProcess serves exactly what StructuredOutputs serves in-process: the same compiles,
 masks and completed constraints for the same calls, with the sequences split between its
-children, and a clear error when a child dies."""
+children, and a clear error when a child dies; whether its batches travel through the children's
+mailboxes (spinning children) or their sockets, in order either way."""
 import os
 import signal
 
@@ -16,10 +17,10 @@ SPECS = {"choice": StructuredOutputsParams(choice=["yes", "no"]),
          "broken": StructuredOutputsParams(regex="(ab")}
 
 
-@pytest.fixture(scope="module")
-def process():
+@pytest.fixture(scope="module", params=[False, True], ids=["socket", "mailbox"])
+def process(request):
     # one sequence a child before any holds two: the three split between the two
-    grammars = GrammarProcess(max_rows=4, num_children=2, seqs_per_child=1)
+    grammars = GrammarProcess(max_rows=4, num_children=2, seqs_per_child=1, spin=request.param)
     yield grammars
     grammars.close()
 
@@ -125,3 +126,64 @@ def test_a_precompiled_spec_is_not_compiled_again():
     grammars.precompile(SPECS["choice"])
     grammars.submit("a", SPECS["choice"])
     assert grammars.num_compiles == 1 and compiled(grammars, 1) == [("a", None)]
+
+
+def _count_posts(monkeypatch, grammars):
+    posts = []
+    for child in grammars._children:
+        post = child.mailbox.post
+        monkeypatch.setattr(child.mailbox, "post",
+                            lambda *args, post=post: posts.append(post(*args)) or posts[-1])
+    return posts
+
+
+def test_a_spinning_childs_masks_come_through_its_mailbox(monkeypatch):
+    """Once a spinning child has started, a step's mask request (its advances with it) is
+    posted, not sent; the masks are those the in-process grammars give."""
+    grammars = GrammarProcess(max_rows=2, spin=True)
+    here = StructuredOutputs(max_rows=2)
+    for g in (grammars, here):
+        g.submit("a", SPECS["regex"])
+    compiled(grammars, 1), compiled(here, 1)
+    posts = _count_posts(monkeypatch, grammars)
+    done = []
+    while not done:
+        for g in (grammars, here):
+            g.request_mask(["a"])
+        (got, done), (want, want_done) = grammars.take_mask(), here.take_mask()
+        assert np.array_equal(got.bitmask, want.bitmask) and done == want_done
+        token = int(allowed(want.bitmask[0])[-1])
+        for g in (grammars, here):
+            g.advance("a", [token])
+    grammars.close()
+    assert "posted" in posts, posts
+
+
+def test_batches_keep_their_order_across_mailbox_and_socket(monkeypatch):
+    """A batch too large for the mailbox goes over the socket between posted ones; the child
+    still runs them in order: the submit before the mask that needs its matcher."""
+    import engine.structured.mailbox as mailbox
+
+    grammars = GrammarProcess(max_rows=2, spin=True)
+    grammars.submit("a", SPECS["choice"])
+    compiled(grammars, 1)
+    posts = _count_posts(monkeypatch, grammars)
+    grammars.request_mask(["a"])
+    grammars.take_mask()
+    monkeypatch.setattr(mailbox, "CAPACITY", 200)  # the long spec's submit does not fit
+    long_choice = StructuredOutputsParams(choice=["x" * 300, "y"])
+    grammars.submit("b", long_choice)
+    grammars.request_mask(["a"])
+    grammars.take_mask()
+    assert compiled(grammars, 1) == [("b", None)]
+    grammars.request_mask(["a"])
+    grammars.advance("a", [int(allowed(grammars.take_mask()[0].bitmask[0])[0])])
+    grammars.request_mask(["a", "b"])
+    mask, _ = grammars.take_mask()
+    here = StructuredOutputs(max_rows=2)
+    here.submit("b", long_choice)
+    compiled(here, 1)
+    here.request_mask(["b"])
+    assert np.array_equal(mask.bitmask[1], here.take_mask()[0].bitmask[0])
+    assert None in posts and "posted" in posts, posts
+    grammars.close()
