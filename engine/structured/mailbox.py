@@ -4,7 +4,9 @@ reach it without a system call on either side.
 Every batch the core sends a child is numbered (1, 2, ...) and goes one of two ways: into the
 mailbox, when the child is spinning and has taken the batch before; else over the socket,
 numbered the same. The child runs batches in number order, reading the socket for any number
-it has not seen yet, so the two ways never reorder messages. Replies always take the socket.
+it has not seen yet, so the two ways never reorder messages. A spinning child leaves the reply
+to a mask request in the mailbox too (REPLIED = the request's batch number), where the core,
+which has nothing else to do then, spins for it; other replies and errors take the socket.
 
     core (post)                                 child (take, then spin or sleep)
     data, LEN, POST = number  (stores, in order) sees POST change, copies data, TAKEN = number
@@ -25,9 +27,10 @@ import threading
 import numpy as np
 
 CAPACITY = 1 << 16  # bytes of one batch in the mailbox (a step's 16 rows: ~1 KB); larger: socket
-POST, LEN, TAKEN, SPINNING = range(4)
-HEADER = 4 * 8  # the four int64 words above
-SIZE = HEADER + CAPACITY  # one child's mailbox, in bytes
+REPLY_CAPACITY = 1 << 14  # bytes of a mask's reply (the sequences it completed); larger: socket
+POST, LEN, TAKEN, SPINNING, REPLIED, REPLY_LEN = range(6)
+HEADER = 8 * 8  # int64 words: the six above and two spare
+SIZE = HEADER + CAPACITY + REPLY_CAPACITY  # one child's mailbox, in bytes
 SPIN_SECONDS = 0.002  # a child spins this long after its last batch, then sleeps: a step apart
 SLEEP_CHECK = 0.002  # a sleeping child also looks at its mailbox this often
 _FENCE = threading.Lock()
@@ -42,8 +45,10 @@ class Mailbox:
     """One child's mailbox in `memory` (a shared mapping) at `index`."""
 
     def __init__(self, memory: mmap.mmap, index: int) -> None:
-        self.words = np.ndarray((4,), np.int64, memory, index * SIZE)
+        self.words = np.ndarray((8,), np.int64, memory, index * SIZE)
         self.data = np.ndarray((CAPACITY,), np.uint8, memory, index * SIZE + HEADER)
+        self.reply_data = np.ndarray((REPLY_CAPACITY,), np.uint8, memory,
+                                     index * SIZE + HEADER + CAPACITY)
 
     # the core's side
     def post(self, number: int, batch: list) -> str | None:
@@ -62,7 +67,23 @@ class Mailbox:
         fence()
         return "wake" if words[SPINNING] != 1 else "posted"
 
+    def reply_to(self, number: int):
+        """The mask reply to batch `number`, if it is here (else None)."""
+        if self.words[REPLIED] != number:
+            return None
+        return pickle.loads(self.reply_data[:int(self.words[REPLY_LEN])].tobytes())
+
     # the child's side
+    def put_reply(self, number: int, payload) -> bool:
+        """Leave the mask reply to batch `number`; False if it does not fit (use the socket)."""
+        data = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+        if len(data) > REPLY_CAPACITY:
+            return False
+        self.reply_data[:len(data)] = np.frombuffer(data, np.uint8)
+        self.words[REPLY_LEN] = len(data)
+        self.words[REPLIED] = number
+        return True
+
     def take(self) -> tuple[int, list] | None:
         """The batch posted since the last take, with its number, or None."""
         words = self.words

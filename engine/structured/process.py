@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `engine`
 SEQS_PER_CHILD = 16
 CHILD_EXIT_WAIT = 10  # seconds a closing GrammarProcess waits for each child to exit
 SPARE_CPUS = 4  # CPUs left besides spinning children: the core, two API servers, one more
+LIVENESS_SPINS = 4096  # the core's spins for a mask reply between looks at the child (~10 ms)
 
 
 class _Child:
@@ -67,7 +68,9 @@ class _Child:
         theirs.close()
         self.conn = Connection(ours.detach())
         self.mailbox = Mailbox(mailbox_memory, index)
+        self.spins = spin
         self._number = 0  # of the last batch sent
+        self.mask_number = 0  # of the last batch asking for a mask
         self._queued: list[tuple] = []  # messages without a reply, sent with the next one
         self.num_seqs = 0  # sequences whose grammar it holds
         self._replies: dict[str, object] = {}  # replies read while waiting for another
@@ -92,15 +95,36 @@ class _Child:
     def reply(self, kind: str):
         """The reply to the last `kind` request; replies to earlier requests come first."""
         while kind not in self._replies:
-            try:
-                got, payload = self.conn.recv()
-            except (EOFError, OSError) as err:
-                raise RuntimeError(f"the grammar process died (exit code "
-                                   f"{self.process.poll()})") from err
-            if got == "error":
-                raise RuntimeError(f"the grammar process failed: {payload}")
-            self._replies[got] = payload
+            self._read_reply()
         return self._replies.pop(kind)
+
+    def mask_reply(self) -> list[str]:
+        """The reply to the last mask request: a spinning child's from its mailbox (the core
+        spins for it, reading the socket for an error, and looks whether the child lives every
+        LIVENESS_SPINS), else from the socket."""
+        if not self.spins:
+            return self.reply("mask")
+        spins = 0
+        while (payload := self.mailbox.reply_to(self.mask_number)) is None:
+            if "mask" in self._replies:
+                return self._replies.pop("mask")
+            if self.conn.poll(0):
+                self._read_reply()
+            spins += 1
+            if spins % LIVENESS_SPINS == 0 and self.process.poll() is not None:
+                raise RuntimeError(f"the grammar process died (exit code "
+                                   f"{self.process.poll()})")
+        return payload
+
+    def _read_reply(self) -> None:
+        try:
+            got, payload = self.conn.recv()
+        except (EOFError, OSError) as err:
+            raise RuntimeError(f"the grammar process died (exit code "
+                               f"{self.process.poll()})") from err
+        if got == "error":
+            raise RuntimeError(f"the grammar process failed: {payload}")
+        self._replies[got] = payload
 
 
 class GrammarProcess:
@@ -194,10 +218,11 @@ class GrammarProcess:
             at.append(row)
         for child, (ids, at) in shares.items():
             child.send(("mask", ids, at))
+            child.mask_number = child._number
         self._rows, self._asked = rows, list(shares)
 
     def take_mask(self) -> tuple[GrammarMask, list[str]]:
-        completed = sorted(c for child in self._asked for c in child.reply("mask"))
+        completed = sorted(c for child in self._asked for c in child.mask_reply())
         rows, self._rows, self._asked = self._rows, [], []
         return GrammarMask(rows, self._bitmask[:len(rows)]), completed
 
@@ -249,9 +274,16 @@ def serve(conn: Connection, bitmask: np.ndarray, mailbox: Mailbox, spin: bool) -
     compiler up first (seconds of imports), so that its first grammar does not wait for it."""
     compiler()
     grammars = StructuredOutputs(len(bitmask), bitmask)
-    for batch in _Inbox(conn, mailbox, spin):
+    for number, batch in _Inbox(conn, mailbox, spin):
+        failed = []  # once a message of the batch has failed, its replies follow on the socket
+
+        def answer(kind: str, payload, number=number, failed=failed) -> None:
+            failed += [kind] if kind == "error" else []
+            if failed or not (spin and kind == "mask" and mailbox.put_reply(number, payload)):
+                conn.send((kind, payload))
+
         for message in batch:
-            _handle(conn, grammars, message)
+            _handle(answer, grammars, message)
 
 
 class _Inbox:
@@ -266,7 +298,7 @@ class _Inbox:
     def __iter__(self):
         number = 1
         while (batch := self._wait_for(number)) is not None:
-            yield batch
+            yield number, batch
             number += 1
 
     def _wait_for(self, number: int) -> list | None:
@@ -295,8 +327,9 @@ class _Inbox:
         return self.ahead.pop(number)
 
 
-def _handle(conn: Connection, grammars: StructuredOutputs, message: tuple) -> None:
-    """One message; an exception is the reply to the next request (the core fails on it)."""
+def _handle(answer, grammars: StructuredOutputs, message: tuple) -> None:
+    """One message; `answer(kind, payload)` replies. An exception is the reply to the next
+    request, over the socket (the core fails on it)."""
     kind, *args = message
     try:
         if kind == "submit":
@@ -308,15 +341,15 @@ def _handle(conn: Connection, grammars: StructuredOutputs, message: tuple) -> No
         elif kind == "release":
             grammars.release(*args)
         elif kind == "take_compiled":
-            conn.send((kind, grammars.take_compiled(*args)))
+            answer(kind, grammars.take_compiled(*args))
         elif kind == "mask":
             grammars.request_mask(*args)
-            conn.send((kind, grammars.take_mask()[1]))
+            answer(kind, grammars.take_mask()[1])
         else:
             raise ValueError(f"unknown message {kind!r}")
     except Exception as exc:
         log.exception("grammar process: %s failed", kind)
-        conn.send(("error", f"{kind}: {type(exc).__name__}: {exc}"))
+        answer("error", f"{kind}: {type(exc).__name__}: {exc}")
 
 
 def main(argv: list[str]) -> None:

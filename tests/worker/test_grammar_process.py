@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine.core.request import StructuredOutputsParams
+from engine.structured.mailbox import REPLIED
 from engine.structured.manager import ALL_ALLOWED, StructuredOutputs
 from engine.structured.process import GrammarProcess
 
@@ -155,8 +156,34 @@ def test_a_spinning_childs_masks_come_through_its_mailbox(monkeypatch):
         token = int(allowed(want.bitmask[0])[-1])
         for g in (grammars, here):
             g.advance("a", [token])
+    child = grammars._children[0]
+    assert child.mailbox.words[REPLIED] == child.mask_number  # the reply came that way too
     grammars.close()
     assert "posted" in posts, posts
+
+
+@pytest.mark.parametrize("spin", [False, True], ids=["socket", "mailbox"])
+def test_a_failed_message_fails_the_mask_that_follows_it(spin):
+    grammars = GrammarProcess(max_rows=1, spin=spin)
+    grammars.submit("a", SPECS["choice"])
+    compiled(grammars, 1)
+    grammars.advance("a", ["not a token"])
+    grammars.request_mask(["a"])
+    with pytest.raises(RuntimeError, match="grammar process failed: advance"):
+        grammars.take_mask()
+    grammars.close()
+
+
+@pytest.mark.parametrize("spin", [False, True], ids=["socket", "mailbox"])
+def test_a_child_that_dies_while_the_core_waits_for_its_mask_is_a_clear_error(spin):
+    grammars = GrammarProcess(max_rows=1, spin=spin)
+    grammars.submit("a", SPECS["choice"])
+    compiled(grammars, 1)
+    os.kill(grammars.pids[0], signal.SIGKILL)
+    grammars.request_mask(["a"])
+    with pytest.raises(RuntimeError, match="grammar process died"):
+        grammars.take_mask()
+    grammars.close()
 
 
 def test_batches_keep_their_order_across_mailbox_and_socket(monkeypatch):
