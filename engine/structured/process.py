@@ -12,10 +12,11 @@ split a large mask between them (each sequence's matcher lives in one child).
 
 Each child takes its requests in order (advances and releases wait for the next request, to
 travel with it in one batch): through its shared-memory mailbox while it spins, else its
-socket (engine/structured/mailbox.py); replies take the socket. Children spin only where the
-CPUs allow (SPARE_CPUS). The bitmask lies in an anonymous shared memory file (memfd) that every
-child maps, page-locked for the GPU when `pin`. A child ends when its socket closes: when the
-core closes it, or when the core's process dies.
+socket (engine/structured/mailbox.py); a spinning child's mask replies take the mailbox too,
+others the socket. Children spin only where the CPUs allow (SPARE_CPUS). The bitmask lies in
+an anonymous shared memory file (memfd) that every child maps, page-locked for the GPU when
+`pin`. A child ends when its socket closes: when the core closes it, or when the core's
+process dies.
 """
 from __future__ import annotations
 
