@@ -31,6 +31,7 @@ import weakref
 from collections import OrderedDict
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -159,6 +160,7 @@ class GrammarProcess:
         self._owner: dict[str, _Child] = {}  # seq id -> the child holding its grammar
         self._compiling: dict[str, _Child] = {}
         self._rows: list[str] = []
+        self._split: _Split | None = None  # the last request's, until an owner changes
         self._asked: list[_Child] = []  # the children filling the requested mask
         self._specs_seen: OrderedDict[tuple, None] = OrderedDict()  # as the children's caches
 
@@ -174,6 +176,7 @@ class GrammarProcess:
         child = min(self._children, key=load)
         child.num_seqs += 1
         self._owner[seq_id] = self._compiling[seq_id] = child
+        self._split = None
         child.send(("submit", seq_id, spec))
         if spec.key in self._specs_seen:
             self._specs_seen.move_to_end(spec.key)
@@ -197,6 +200,7 @@ class GrammarProcess:
             child = self._owner.pop(seq_id, None) if error is not None else None
             if child is not None:  # the child holds nothing of it
                 child.num_seqs -= 1
+                self._split = None
         return results
 
     def advance(self, seq_id: str, tokens: list[int]) -> None:
@@ -205,22 +209,20 @@ class GrammarProcess:
             child.queue(("advance", seq_id, tokens))
 
     def request_mask(self, rows: list[str]) -> None:
+        """Each owner fills its rows; a row whose sequence has no owner (released since it was
+        scheduled: its token is dropped) allows every token. Rows as the last request's, with
+        no owner changed since, reuse its split (a decode step's usual case)."""
         if len(rows) > len(self._bitmask):
             raise ValueError(f"{len(rows)} constrained rows; this engine masks at most "
                              f"{len(self._bitmask)} a step")
-        shares: dict[_Child, tuple[list[str], list[int]]] = {}
-        for row, seq_id in enumerate(rows):
-            child = self._owner.get(seq_id)
-            if child is None:  # released since it was scheduled: its token is dropped
-                self._bitmask[row] = ALL_ALLOWED
-                continue
-            ids, at = shares.setdefault(child, ([], []))
-            ids.append(seq_id)
-            at.append(row)
-        for child, (ids, at) in shares.items():
+        if self._split is None or self._split.rows != rows:
+            self._split = _split(rows, self._owner)
+        if self._split.unowned:
+            self._bitmask[self._split.unowned] = ALL_ALLOWED
+        for child, (ids, at) in self._split.shares.items():
             child.send(("mask", ids, at))
             child.mask_number = child._number
-        self._rows, self._asked = rows, list(shares)
+        self._rows, self._asked = rows, list(self._split.shares)
 
     def take_mask(self) -> tuple[GrammarMask, list[str]]:
         completed = sorted(c for child in self._asked for c in child.mask_reply())
@@ -232,11 +234,33 @@ class GrammarProcess:
         child = self._owner.pop(seq_id, None)
         if child is not None:
             child.num_seqs -= 1
+            self._split = None
             child.queue(("release", seq_id))
 
     def close(self) -> None:
         """Stop the children (each exits when its socket closes) and unpin the mask."""
         self._close()
+
+
+class _Split(NamedTuple):
+    """A mask request's rows by owner: `shares` child -> (seq ids, their bitmask rows)."""
+    rows: list[str]
+    shares: dict[_Child, tuple[list[str], list[int]]]
+    unowned: list[int]  # rows whose sequence no child holds
+
+
+def _split(rows: list[str], owner: dict[str, _Child]) -> _Split:
+    shares: dict[_Child, tuple[list[str], list[int]]] = {}
+    unowned = []
+    for row, seq_id in enumerate(rows):
+        child = owner.get(seq_id)
+        if child is None:
+            unowned.append(row)
+            continue
+        ids, at = shares.setdefault(child, ([], []))
+        ids.append(seq_id)
+        at.append(row)
+    return _Split(list(rows), shares, unowned)
 
 
 def _stop(children: list[_Child], memory: mmap.mmap, pinned_address: int | None) -> None:

@@ -214,3 +214,21 @@ def test_batches_keep_their_order_across_mailbox_and_socket(monkeypatch):
     assert np.array_equal(mask.bitmask[1], here.take_mask()[0].bitmask[0])
     assert None in posts and "posted" in posts, posts
     grammars.close()
+
+
+def test_a_release_between_two_requests_of_the_same_rows_frees_its_row():
+    """The second request of the same rows reuses the first's split, until a sequence is
+    released: its row then allows every token, the other row keeps its grammar's mask."""
+    grammars = GrammarProcess(max_rows=2, num_children=2, seqs_per_child=1)
+    for seq_id in ("a", "b"):
+        grammars.submit(seq_id, SPECS["regex"])
+    compiled(grammars, 2)
+    masks = []
+    for release in (False, False, True):
+        if release:
+            grammars.release("b")
+        grammars.request_mask(["a", "b"])
+        masks.append(grammars.take_mask()[0].bitmask.copy())
+    assert np.array_equal(masks[0], masks[1]) and (masks[0][1] != ALL_ALLOWED).any()
+    assert np.array_equal(masks[2][0], masks[0][0]) and (masks[2][1] == ALL_ALLOWED).all()
+    grammars.close()
