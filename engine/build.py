@@ -10,7 +10,6 @@ core and the worker know speculation only through their small protocols.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from engine.core.config import EngineConfig
@@ -18,7 +17,7 @@ from engine.core.engine_core import EngineCore
 from engine.speculative.speculator import build_speculator
 from engine.speculative.switch import StepTimes
 from engine.structured.manager import StructuredOutputs
-from engine.structured.process import GrammarProcess
+from engine.structured.process import GrammarProcess, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ def build_grammars(config: EngineConfig, device) -> StructuredOutputs | GrammarP
     if getattr(device, "type", None) == "cuda":
         # children share a large mask, on cores the core's loop leaves idle; 4 fill 64 rows
         # of a JSON schema (~17 us a row) within one step's host time, at ~0.4 GB each
-        children = max(1, min(4, len(os.sched_getaffinity(0)) - 2))
+        children = max(1, min(4, int(usable_cpus()) - 2))
         return GrammarProcess(max_rows, children, pin=True)
     return StructuredOutputs(max_rows)
 

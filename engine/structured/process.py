@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[2]  # the directory holding the `engine`
 # children per step mean fewer messages
 SEQS_PER_CHILD = 16
 CHILD_EXIT_WAIT = 10  # seconds a closing GrammarProcess waits for each child to exit
-SPARE_CPUS = 4  # CPUs left besides spinning children: the core, two API servers, one more
+SPARE_CPUS = 4  # CPUs left besides spinning children (usable_cpus): the core, two API servers,
+# one more
 LIVENESS_SPINS = 4096  # the core's spins for a mask reply between looks at the child (~10 ms)
 
 
@@ -138,7 +139,7 @@ class GrammarProcess:
         """`spin`: children spin between batches, so a batch in the mailbox needs no wake
         (None: where the CPUs allow, SPARE_CPUS besides the children)."""
         if spin is None:
-            spin = len(os.sched_getaffinity(0)) >= num_children + SPARE_CPUS
+            spin = usable_cpus() >= num_children + SPARE_CPUS
         size = max_rows * MASK_WORDS * 4
         memory_fd = os.memfd_create("gpt2-serve-grammar-mask")
         os.ftruncate(memory_fd, size)
@@ -240,6 +241,22 @@ class GrammarProcess:
     def close(self) -> None:
         """Stop the children (each exits when its socket closes) and unpin the mask."""
         self._close()
+
+
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> float:
+    """CPUs this process may keep busy: those it may run on (taskset, cpusets), fewer where a
+    cgroup's CPU quota says so (`docker run --cpus`: v2's cpu.max, v1's cpu.cfs_quota_us)."""
+    cpus: float = len(os.sched_getaffinity(0))
+    for quota_file, period_file in (("cpu.max", None),
+                                    ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            quota, *rest = (cgroup / quota_file).read_text().split()
+            period = rest[0] if period_file is None else (cgroup / period_file).read_text()
+            if quota not in ("max", "-1"):
+                cpus = min(cpus, int(quota) / int(period))
+        except (OSError, ValueError, IndexError):
+            continue
+    return cpus
 
 
 class _Split(NamedTuple):
