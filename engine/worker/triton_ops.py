@@ -106,7 +106,9 @@ def measured_one_launch_blocks(ops: Ops, cfg: GPT2Config, dtype: torch.dtype,
                                quantization: str | None, block_size: int) -> Ops:
     """`ops` with one launch a block at the decode row counts where it beat op by op on this
     GPU for cfg's blocks (engine/worker/one_launch_blocks.py; the answer from `cache` when
-    stored); as given where GPT2_SERVE_DECODE_LAYER forces a choice."""
+    stored); as given where GPT2_SERVE_DECODE_LAYER forces a choice, or where the timing
+    fails (a warning; nothing stored, so the next start times again): an optional speed-up
+    never stops a start."""
     if forced_one_launch_rows() is not None:
         return ops
     key = {**device_key(device), "dtype": str(dtype), "quantization": quantization,
@@ -114,12 +116,18 @@ def measured_one_launch_blocks(ops: Ops, cfg: GPT2Config, dtype: torch.dtype,
            "linear_table": _encoded_wins(ops.linear.wins),
            "source": source_hash("kernels", "engine/worker/models")}
     start = time.perf_counter()
-    (rows, times), cached = cache.get_or_measure(
-        "one-launch-blocks", key,
-        lambda: one_launch_rows(replace(ops, decode_block=decode_block), TritonAttention(), cfg,
-                                decode_layer.MAX_ROWS, dtype, device, quantization, block_size),
-        encode=lambda value: [value[0], [[r, *t] for r, t in value[1].items()]],
-        decode=lambda value: (value[0], {r: (a, b) for r, a, b in value[1]}))
+    try:
+        (rows, times), cached = cache.get_or_measure(
+            "one-launch-blocks", key,
+            lambda: one_launch_rows(replace(ops, decode_block=decode_block), TritonAttention(),
+                                    cfg, decode_layer.MAX_ROWS, dtype, device, quantization,
+                                    block_size),
+            encode=lambda value: [value[0], [[r, *t] for r, t in value[1].items()]],
+            decode=lambda value: (value[0], {r: (a, b) for r, a, b in value[1]}))
+    except Exception:  # a kernel that cannot compile or run here: the blocks run op by op
+        log.warning("could not time one launch a block; decode steps run op by op",
+                    exc_info=True)
+        return ops
     timed = ", ".join(f"{r} row{'s' if r > 1 else ''} {a:.1f} us op by op, {b:.1f} in one"
                       for r, (a, b) in times.items())
     log.info("one launch a block at decode steps of up to %d rows (%s a block: %s; %.1f s)",

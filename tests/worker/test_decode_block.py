@@ -75,6 +75,22 @@ def test_startup_takes_one_launch_where_it_was_measured_faster(tmp_path, monkeyp
     assert len(calls) == 2  # another key: 8-bit weights are timed apart
 
 
+def test_a_timing_that_fails_leaves_blocks_op_by_op_and_stores_nothing(tmp_path, monkeypatch,
+                                                                       caplog):
+    monkeypatch.delenv("GPT2_SERVE_DECODE_LAYER", raising=False)
+    import engine.worker.triton_ops as backend
+
+    def fail(*args):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(backend, "one_launch_rows", fail)
+    cache = StartupCache(tmp_path)
+    ops = backend.measured_one_launch_blocks(backend.triton_ops(), TINY, torch.float16,
+                                             torch.device("cpu"), cache, None, 16)
+    assert (ops.decode_block, ops.decode_block_rows) == (None, 0)
+    assert "could not time one launch" in caplog.text and not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("flag,rows", [("1", decode_layer.MAX_ROWS), ("0", 0)])
 def test_the_environment_forces_the_choice_without_timing(tmp_path, monkeypatch, flag, rows):
     monkeypatch.setenv("GPT2_SERVE_DECODE_LAYER", flag)
