@@ -18,7 +18,8 @@ import torch
 from engine.worker.attention import AttentionBackend, AttentionMetadata
 from engine.worker.layers import Ops
 from engine.worker.models.gpt2 import Block, GPT2Config
-from engine.worker.quantization import BLOCK_LINEARS, QuantizedLinear, quantize_weight
+from engine.worker.cuda_graphs.graph_set import capture_graph
+from engine.worker.quantization import quantize_block
 
 CONTEXT = 256  # a chat turn's context; attention is a small part of a batch-1 block
 ROUNDS, REPLAYS = 9, 5  # the two ways take turns ROUNDS times, REPLAYS replays each
@@ -36,7 +37,8 @@ def one_launch_rows(ops: Ops, attention: AttentionBackend, cfg: GPT2Config, max_
 
     def time_at(rows: int) -> tuple[float, float]:
         step = DecodeStep(cfg, rows, count, dtype, device, block_size)
-        graphs = [_captured(lambda one=one: step.run(blocks, ops, one)) for one in (False, True)]
+        graphs = [capture_graph(lambda one=one: step.run(blocks, ops, one), None)[0]
+                  for one in (False, True)]
         op_by_op, one_launch = _timed_alternately(graphs)
         return op_by_op / count, one_launch / count
 
@@ -71,12 +73,7 @@ def random_blocks(ops: Ops, attention: AttentionBackend, cfg: GPT2Config, dtype:
         with torch.device(device):
             block = Block(cfg, ops, attention).to(dtype).eval().requires_grad_(False)
         if quantization is not None:
-            for parent_name, name in BLOCK_LINEARS:
-                parent = getattr(block, parent_name)
-                linear = getattr(parent, name)
-                setattr(parent, name, QuantizedLinear(quantize_weight(linear.weight,
-                                                                      quantization),
-                                                      linear.bias))
+            quantize_block(block, quantization)
         blocks.append(block)
     return blocks
 
@@ -109,20 +106,6 @@ class DecodeStep:
                 hidden, residual = ops.decode_block(block, hidden, residual, cache, self.meta)
             else:
                 hidden, residual = block(hidden, residual, cache, self.meta)
-
-
-def _captured(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """`run` as a CUDA graph, after two eager runs on a side stream (compiles, autotuning)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph
 
 
 def _timed_alternately(graphs: list[torch.cuda.CUDAGraph]) -> list[float]:

@@ -70,15 +70,20 @@ def quantize_linears(model: nn.Module, method: str | None) -> None:
     check_supported(method, model.wte.weight.device)
     before = weight_bytes(model)
     for block in model.h:
-        for parent_name, name in BLOCK_LINEARS:
-            parent = getattr(block, parent_name)
-            linear = getattr(parent, name)
-            setattr(parent, name, QuantizedLinear(quantize_weight(linear.weight, method),
-                                                  linear.bias))
+        quantize_block(block, method)
     after = weight_bytes(model)
     log.info("quantization %s: weights %.1f MiB -> %.1f MiB (the blocks' linears 8-bit with "
              "a scale per output channel); the %.1f MiB saved go to the KV cache", method,
              before / 2**20, after / 2**20, (before - after) / 2**20)
+
+
+def quantize_block(block: nn.Module, method: str) -> None:
+    """A model Block's four linears become QuantizedLinears by `method`, one at a time."""
+    for parent_name, name in BLOCK_LINEARS:
+        parent = getattr(block, parent_name)
+        linear = getattr(parent, name)
+        setattr(parent, name, QuantizedLinear(quantize_weight(linear.weight, method),
+                                              linear.bias))
 
 
 def check_supported(method: str, device: torch.device) -> None:
