@@ -14,10 +14,11 @@ import time
 
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.cpus import usable_cpus
 from engine.speculative.speculator import build_speculator
 from engine.speculative.switch import StepTimes
 from engine.structured.manager import StructuredOutputs
-from engine.structured.process import GrammarProcess, usable_cpus
+from engine.structured.process import GrammarProcess
 
 log = logging.getLogger(__name__)
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from engine.core.batch import GrammarMask
 from engine.core.request import StructuredOutputsParams
+from engine.cpus import usable_cpus
 from engine.structured.grammar import compiler
 from engine.structured.mailbox import SIZE as MAILBOX_SIZE
 from engine.structured.mailbox import SLEEP_CHECK, SPIN_SECONDS, Mailbox
@@ -241,22 +242,6 @@ class GrammarProcess:
     def close(self) -> None:
         """Stop the children (each exits when its socket closes) and unpin the mask."""
         self._close()
-
-
-def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> float:
-    """CPUs this process may keep busy: those it may run on (taskset, cpusets), fewer where a
-    cgroup's CPU quota says so (`docker run --cpus`: v2's cpu.max, v1's cpu.cfs_quota_us)."""
-    cpus: float = len(os.sched_getaffinity(0))
-    for quota_file, period_file in (("cpu.max", None),
-                                    ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
-        try:
-            quota, *rest = (cgroup / quota_file).read_text().split()
-            period = rest[0] if period_file is None else (cgroup / period_file).read_text()
-            if quota not in ("max", "-1"):
-                cpus = min(cpus, int(quota) / int(period))
-        except (OSError, ValueError, IndexError):
-            continue
-    return cpus
 
 
 class _Split(NamedTuple):

@@ -232,20 +232,3 @@ def test_a_release_between_two_requests_of_the_same_rows_frees_its_row():
     assert np.array_equal(masks[0], masks[1]) and (masks[0][1] != ALL_ALLOWED).any()
     assert np.array_equal(masks[2][0], masks[0][0]) and (masks[2][1] == ALL_ALLOWED).all()
     grammars.close()
-
-
-@pytest.mark.parametrize("files,expected", [
-    ({}, None),  # no cgroup files: the affinity
-    ({"cpu.max": "max 100000"}, None),
-    ({"cpu.max": "150000 100000"}, 1.5),  # docker run --cpus=1.5, cgroup v2
-    ({"cpu/cpu.cfs_quota_us": "200000", "cpu/cpu.cfs_period_us": "100000"}, 2.0),  # v1
-    ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
-    ({"cpu.max": "garbled"}, None)])
-def test_children_spin_only_within_the_cpu_quota(tmp_path, files, expected):
-    from engine.structured.process import usable_cpus
-
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    affinity = len(os.sched_getaffinity(0))
-    assert usable_cpus(tmp_path) == (affinity if expected is None else min(affinity, expected))
