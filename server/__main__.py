@@ -44,8 +44,9 @@ ENGINE_FLAG_HELP = {
     "startup_cache": "reuse the skinny-GEMM table and KV sizing measured by an earlier start "
                      "with nothing changed (kept under TRITON_CACHE_DIR/gpt2-serve)",
     "seed": "seed of requests that set none",
-    "num_cpu_threads": "torch threads of the engine core on CPU; None: one per core the "
-                       "server may run on (os.sched_getaffinity) but one, the API server's",
+    "num_cpu_threads": "torch threads of the engine core on CPU; None: one per CPU the "
+                       "server may keep busy (its affinity, or a container's CPU quota if "
+                       "lower) but one, the API server's",
     "quantization": "8-bit weights for the blocks' linears, quantized at load with a scale "
                     "per output channel (vLLM's names); the memory saved goes to the KV cache",
     "block_size": "tokens per KV-cache block",
