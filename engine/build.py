@@ -14,7 +14,7 @@ import time
 
 from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.cpus import usable_cpus
+from engine.core.cpus import usable_cpus
 from engine.speculative.speculator import build_speculator
 from engine.speculative.switch import StepTimes
 from engine.structured.manager import StructuredOutputs

@@ -19,7 +19,7 @@ import zmq
 
 from engine.core.config import EngineConfig
 from engine.core.messages import FromCore, ToCore
-from engine.cpus import usable_cpus
+from engine.core.cpus import usable_cpus
 from server.client_router import ClientRouter
 from server.processes import LOG_FORMAT, die_with_parent, tune_gc
 
@@ -86,10 +86,10 @@ def core_main(config: EngineConfig, to_core: str, from_core: tuple[str, ...],
 
 def set_cpu_threads(configured: int | None) -> int:
     """Set torch's intra-op threads for a core on CPU and return the count: `configured`
-    (--num-cpu-threads), else one per CPU this process may keep busy (engine.cpus.usable_cpus:
-    taskset, cpusets and a container's CPU quota count) but one, which the API server
-    streaming the tokens needs. Threads beyond the free cores make every op's barrier wait
-    for a descheduled thread."""
+    (--num-cpu-threads), else one per CPU this process may keep busy (usable_cpus: taskset,
+    cpusets and a container's CPU quota count) but one, which the API server streaming the
+    tokens needs. Threads beyond the free cores make every op's barrier wait for a
+    descheduled thread."""
     import torch
 
     threads = configured or max(1, int(usable_cpus()) - 1)

@@ -37,7 +37,7 @@ import numpy as np
 
 from engine.core.batch import GrammarMask
 from engine.core.request import StructuredOutputsParams
-from engine.cpus import usable_cpus
+from engine.core.cpus import usable_cpus
 from engine.structured.grammar import compiler
 from engine.structured.mailbox import SIZE as MAILBOX_SIZE
 from engine.structured.mailbox import SLEEP_CHECK, SPIN_SECONDS, Mailbox

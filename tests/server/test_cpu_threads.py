@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.cpus import usable_cpus
+from engine.core.cpus import usable_cpus
 from server_harness import ROOT
 
 PROBE = """
