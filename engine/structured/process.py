@@ -82,9 +82,10 @@ class _Child:
     def queue(self, message: tuple) -> None:
         self._queued.append(message)
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: tuple) -> int:
         """Send the queued messages and this one, in order, as one numbered batch: into the
-        mailbox where it takes it (engine/structured/mailbox.py), else over the socket."""
+        mailbox where it takes it (engine/structured/mailbox.py), else over the socket; the
+        batch's number."""
         batch, self._queued = [*self._queued, message], []
         self._number += 1
         posted = self.mailbox.post(self._number, batch)
@@ -95,6 +96,7 @@ class _Child:
                 self.conn.send((None, []))
         except OSError as err:
             raise RuntimeError(f"the grammar process is gone ({err})") from err
+        return self._number
 
     def reply(self, kind: str):
         """The reply to the last `kind` request; replies to earlier requests come first."""
@@ -222,8 +224,7 @@ class GrammarProcess:
         if self._split.unowned:
             self._bitmask[self._split.unowned] = ALL_ALLOWED
         for child, (ids, at) in self._split.shares.items():
-            child.send(("mask", ids, at))
-            child.mask_number = child._number
+            child.mask_number = child.send(("mask", ids, at))
         self._rows, self._asked = rows, list(self._split.shares)
 
     def take_mask(self) -> tuple[GrammarMask, list[str]]:

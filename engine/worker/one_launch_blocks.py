@@ -16,9 +16,9 @@ from collections.abc import Callable
 import torch
 
 from engine.worker.attention import AttentionBackend, AttentionMetadata
+from engine.worker.cuda_graphs.graph_set import capture_graph
 from engine.worker.layers import Ops
 from engine.worker.models.gpt2 import Block, GPT2Config
-from engine.worker.cuda_graphs.graph_set import capture_graph
 from engine.worker.quantization import quantize_block
 
 CONTEXT = 256  # a chat turn's context; attention is a small part of a batch-1 block

@@ -30,15 +30,14 @@ from kernels.skinny_gemm import TILE_CANDIDATES, TileConfig
 log = logging.getLogger(__name__)
 
 
-def triton_ops(linear_wins: LinearWins | None = None, one_launch_rows: int = 0) -> Ops:
+def triton_ops(linear_wins: LinearWins | None = None) -> Ops:
     """Fused Triton ops; linears take the skinny GEMM or the GEMV, in its config, where
     linear_wins says (None: cuBLAS for every 16-bit linear, quant_linear for every 8-bit one),
     and fp8 weights after the add + LayerNorm the fp8 GEMM where uses_fp8_gemm says, as in
-    the reference ops; a decode step of at most `one_launch_rows` rows runs each block in one
-    launch, unless GPT2_SERVE_DECODE_LAYER says otherwise (`forced_one_launch_rows`)."""
+    the reference ops; blocks run op by op unless GPT2_SERVE_DECODE_LAYER forces one launch
+    (`forced_one_launch_rows`; measured_one_launch_blocks adds what startup timed)."""
     linear = LinearDispatch(linear_wins, uses_fp8_gemm)
-    forced = forced_one_launch_rows()
-    rows = one_launch_rows if forced is None else forced
+    rows = forced_one_launch_rows() or 0
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                add_norm_linear=linear.add_norm_linear, sample=row_sample,
                masked_sample=masked_row_sample, token_logprobs=token_logprobs,

@@ -9,7 +9,7 @@ import torch
 from engine.worker.attention import TorchAttention
 from engine.worker.layers import TORCH_OPS
 from engine.worker.models.gpt2 import Block, GPT2Config
-from engine.worker.quantization import QuantizedLinear, quantize_weight
+from engine.worker.quantization import quantize_block
 from kernel_cases import DEVICE, HEAD_DIM, INTERPRET, make_paged_batch, replayed_on_new_inputs
 from kernels.decode_layer import BlockWeights, DecodeLayerConfig, Linear, PagedKV, decode_layer
 
@@ -26,11 +26,7 @@ def _block(dtype: torch.dtype, method: str | None) -> Block:
         p.data.normal_(0.0, 1.0 if p.dim() == 1 else d ** -0.5)
     block = block.to(device=DEVICE, dtype=dtype)
     if method is not None:
-        for parent, name in (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"),
-                             ("mlp", "c_proj")):
-            linear = getattr(getattr(block, parent), name)
-            setattr(getattr(block, parent), name,
-                    QuantizedLinear(quantize_weight(linear.weight, method), linear.bias))
+        quantize_block(block, method)
     return block
 
 
