@@ -45,6 +45,10 @@ LinearWins = Mapping[ShapeKey, LinearConfig]
 # of the ten's best, over the four GPT-2 widths' linears at M = 1, fp16, int8 and fp8
 GEMV_CANDIDATES = (GemvConfig(8, 512, 4, 1, True, 2), GemvConfig(8, 256, 4, 1, True, 2),
                    GemvConfig(8, 512, 4, 1, False, 4))
+# and for 8-bit weights: 4 rows a program, 1024-wide K steps (a tile of the 16-bit configs'
+# bytes), the best of 57 configs for gpt2-xl's int8 output and MLP projections at M = 1 on an
+# H200 (3.23 / 7.81 us against the three's 4.65 / 8.74; gpt2's output projection 2.33 / 3.50)
+GEMV_CANDIDATES_8BIT = (*GEMV_CANDIDATES, GemvConfig(4, 1024, 4, 1, True, 2))
 # From this many rows on, an 8-bit weight is dequantized to x's dtype (kernels/dequantize.py,
 # into a temporary) and its linear runs on cuBLAS (but fp8's fp8 GEMM, above); fewer rows
 # stream it 8-bit (kernels/quant_linear.py). 65: the streaming kernel's 17-64 row tile won up
@@ -154,7 +158,8 @@ def candidates(m: int, weight_dtype: torch.dtype | None) -> tuple[LinearConfig, 
     """The configs the table times against the default path at M = m, for weights in
     weight_dtype (None: the activations')."""
     skinny = TILE_CANDIDATES if weight_dtype is None and m <= MAX_M else ()
-    return skinny + (GEMV_CANDIDATES if m <= gemv.MAX_M else ())
+    gemvs = GEMV_CANDIDATES if weight_dtype is None else GEMV_CANDIDATES_8BIT
+    return skinny + (gemvs if m <= gemv.MAX_M else ())
 
 
 def measure_linear_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],

@@ -8,6 +8,7 @@ structured-output phases: asking for the mask, waiting for it, the masked draw.
     python scripts/profile_decode.py --model gpt2 --batch 1,64,256 --cprofile 25
     python scripts/profile_decode.py --model gpt2 --beam 4 --cprofile 25
     python scripts/profile_decode.py --model gpt2 --batch 64 --structured 8
+    python scripts/profile_decode.py --model gpt2-xl --batch 1 --quantization int8
 """
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ class _TimedWait:
         return getattr(self.pending, name)
 
 
-def graph_kernels(runner, batch: int) -> dict:
+def graph_kernels(runner, batch: int, top: int = 10) -> dict:
     """Kernels in the captured decode graph for this batch: its forward run once eagerly
     under the profiler (the same calls the capture recorded, the draw included). Returns their
     count, their summed GPU time (the graph's replay time minus this is launch gaps) and the
@@ -155,7 +156,7 @@ def graph_kernels(runner, batch: int) -> dict:
     return {"count": sum(e.count for e in kernels),
             "busy_ms": round(sum(e.self_device_time_total for e in kernels) / 1e3, 4),
             "top_us": {f"{e.key[:60]} x{e.count}": round(e.self_device_time_total, 1)
-                       for e in kernels[:10]}}
+                       for e in kernels[:top]}}
 
 
 def main() -> None:
@@ -166,10 +167,14 @@ def main() -> None:
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument("--beam", type=int, default=0, metavar="W")
     parser.add_argument("--structured", type=int, default=0, metavar="K")
+    parser.add_argument("--kernels", type=int, default=10, metavar="N",
+                        help="list the decode graph's N kernels taking the most time")
+    parser.add_argument("--quantization", default=None, help="int8 or fp8 (vLLM's option)")
     args = parser.parse_args()
     checkpoint = checkpoint_for(args.model)
     batches = [int(b) for b in args.batch.split(",")]
-    llm = LLM(model=checkpoint, device="cuda", dtype="float16", max_num_seqs=max(batches))
+    llm = LLM(model=checkpoint, device="cuda", dtype="float16", max_num_seqs=max(batches),
+              quantization=args.quantization)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, output_kind=args.output_kind)
     result = {}
     if args.beam:
@@ -179,7 +184,8 @@ def main() -> None:
         # first: the graph replays its last step
         phases = host_phases(llm.engine, batch, greedy, structured=min(args.structured, batch))
         result[f"b{batch}"] = {"graph_replay_ms": round(replay_ms(llm.engine.runner, batch), 4),
-                               "graph_kernels": graph_kernels(llm.engine.runner, batch),
+                               "graph_kernels": graph_kernels(llm.engine.runner, batch,
+                                                              args.kernels),
                                "host_phases_ms": phases}
         print(args.model, batch, json.dumps(result[f"b{batch}"]), flush=True)
     print(args.model, args.output_kind, json.dumps(result), flush=True)

@@ -6,6 +6,7 @@ import torch
 from engine.worker.quantization import quantize_weight
 from kernel_cases import DEVICE, DTYPES, INTERPRET, replayed_on_new_inputs, tol
 from kernels.gemv import GemvConfig, gemv_add_norm_linear, gemv_linear
+from kernels.linear import GEMV_CANDIDATES_8BIT
 from kernels.quant_linear import quant_add_norm_linear_reference, quant_linear_reference
 from kernels.skinny_gemm import (AddNorm, skinny_add_norm_linear_reference,
                                  skinny_linear_reference)
@@ -14,7 +15,8 @@ from kernels.skinny_gemm import (AddNorm, skinny_add_norm_linear_reference,
 SHAPES = [(96, 208), (130, 64)]
 if not INTERPRET:
     SHAPES += [(2304, 768), (6400, 1600), (1600, 6400)]
-CONFIGS = [GemvConfig(), GemvConfig(16, 64, 4, 1, False, 4), GemvConfig(8, 32, 2, 2, True, 1)]
+CONFIGS = [GemvConfig(), GemvConfig(16, 64, 4, 1, False, 4), GemvConfig(8, 32, 2, 2, True, 1),
+           GEMV_CANDIDATES_8BIT[-1]]  # 4 rows, K steps wider than the interpreter's K
 # every dtype on the default config, the others on fp16 (the interpreter's time is CI's)
 CONFIG_DTYPES = [(CONFIGS[0], dtype) for dtype in DTYPES] + [(c, torch.float16)
                                                              for c in CONFIGS[1:]]

@@ -93,13 +93,14 @@ def test_a_gemv_win_takes_the_gemv(quantization, norm_flag, monkeypatch):
 def test_measured_table_names_candidate_configs_only(weight_dtype):
     """The timing after the parallel compile: every win is a candidate at a measured shape;
     8-bit weights try the GEMV only."""
-    from kernels.linear import GEMV_CANDIDATES, measure_linear_wins
+    from kernels.linear import GEMV_CANDIDATES, GEMV_CANDIDATES_8BIT, measure_linear_wins
     from kernels.skinny_gemm import TILE_CANDIDATES
 
     shapes, sizes = [(768, 768, False, False), (3072, 768, True, True)], [1, 2, 4, 32]
     wins = measure_linear_wins(shapes, sizes, torch.float16, torch.device(DEVICE),
                                weight_dtype)
-    allowed = GEMV_CANDIDATES + (TILE_CANDIDATES if weight_dtype is None else ())
+    allowed = (GEMV_CANDIDATES + TILE_CANDIDATES if weight_dtype is None
+               else GEMV_CANDIDATES_8BIT)
     assert all(config in allowed for config in wins.values())
     assert {key[2] for key in wins} <= ({1, 2, 4} if weight_dtype is None else {1, 2})
     assert not any(isinstance(config, GemvConfig) for key, config in wins.items()
