@@ -46,9 +46,14 @@ LinearWins = Mapping[ShapeKey, LinearConfig]
 GEMV_CANDIDATES = (GemvConfig(8, 512, 4, 1, True, 2), GemvConfig(8, 256, 4, 1, True, 2),
                    GemvConfig(8, 512, 4, 1, False, 4))
 # and for 8-bit weights: 4 rows a program, 1024-wide K steps (a tile of the 16-bit configs'
-# bytes), the best of 57 configs for gpt2-xl's int8 output and MLP projections at M = 1 on an
+# bytes), the best of 56 configs for gpt2-xl's int8 output and MLP projections at M = 1 on an
 # H200 (3.23 / 7.81 us against the three's 4.65 / 8.74; gpt2's output projection 2.33 / 3.50)
 GEMV_CANDIDATES_8BIT = (*GEMV_CANDIDATES, GemvConfig(4, 1024, 4, 1, True, 2))
+
+
+def gemv_candidates(eight_bit: bool) -> tuple[GemvConfig, ...]:
+    """The GEMV configs the startup table tries for 16-bit or 8-bit weights."""
+    return GEMV_CANDIDATES_8BIT if eight_bit else GEMV_CANDIDATES
 # From this many rows on, an 8-bit weight is dequantized to x's dtype (kernels/dequantize.py,
 # into a temporary) and its linear runs on cuBLAS (but fp8's fp8 GEMM, above); fewer rows
 # stream it 8-bit (kernels/quant_linear.py). 65: the streaming kernel's 17-64 row tile won up
@@ -158,8 +163,7 @@ def candidates(m: int, weight_dtype: torch.dtype | None) -> tuple[LinearConfig, 
     """The configs the table times against the default path at M = m, for weights in
     weight_dtype (None: the activations')."""
     skinny = TILE_CANDIDATES if weight_dtype is None and m <= MAX_M else ()
-    gemvs = GEMV_CANDIDATES if weight_dtype is None else GEMV_CANDIDATES_8BIT
-    return skinny + (gemvs if m <= gemv.MAX_M else ())
+    return skinny + (gemv_candidates(weight_dtype is not None) if m <= gemv.MAX_M else ())
 
 
 def measure_linear_wins(shapes: list[tuple[int, int, bool, bool]], batch_sizes: list[int],

@@ -25,7 +25,7 @@ linears summed per M:
 
 With --gemv, the GEMV (kernels/gemv.py, M <= 2) over GEMV_CONFIGS against the default path
 (cuBLAS, or quant_linear for 8-bit weights) and the startup table's GEMV candidates (--json
-writes every time); its winners become kernels.linear.GEMV_CANDIDATES (GEMV_CANDIDATES_8BIT).
+writes every time); its winners become kernels.linear's GEMV candidates (gemv_candidates).
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ from triton.runtime.errors import OutOfResources
 from engine.worker.layers import uses_fp8_gemm
 from engine.worker.quantization import STORAGE, quantize_weight
 from kernels.gemv import GemvConfig
-from kernels.linear import (GEMV_CANDIDATES, GEMV_CANDIDATES_8BIT, DEQUANT_MIN_ROWS, LinearDispatch,
-                            compile_candidates, graph_ms, layer_call)
+from kernels.linear import (DEQUANT_MIN_ROWS, LinearDispatch, compile_candidates,
+                            gemv_candidates, graph_ms, layer_call)
 from kernels.quant_linear import (MAX_TILE_M, compile_quant_linear, quant_add_norm_linear,
                                   quant_linear)
 from kernels.skinny_gemm import MAX_M, TILE_CANDIDATES, AddNorm, TileConfig
@@ -220,7 +220,7 @@ def sweep_gemv(widths: list[int], m: int, layers: list[str], method: str | None)
                  for config in (None, *GEMV_CONFIGS)}
         default = times.pop(None)
         ranked = sorted((t, c) for c, t in times.items())
-        chosen = min(times[c] for c in (GEMV_CANDIDATES_8BIT if method else GEMV_CANDIDATES))
+        chosen = min(times[c] for c in gemv_candidates(method is not None))
         print(f"{method or 'fp16'} N={n} K={k} M={m} norm={norm}: default {default * 1e3:.2f} us; "
               f"GEMV candidates {chosen * 1e3:.2f} us; best {ranked[0][0] * 1e3:.2f} us "
               f"({n * k * (1 if method else 2) / ranked[0][0] / 1e6:.0f} GB/s) "

@@ -21,8 +21,7 @@ from kernels.block_copy import copy_staged_blocks
 from kernels.gather_tokens import gather_tokens
 from kernels.gemv import GemvConfig
 from kernels.layernorm import add_layer_norm, layer_norm
-from kernels.linear import (GEMV_CANDIDATES, GEMV_CANDIDATES_8BIT, LinearDispatch, LinearWins,
-                            measure_linear_wins)
+from kernels.linear import LinearDispatch, LinearWins, gemv_candidates, measure_linear_wins
 from kernels.logprobs import token_logprobs
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from kernels.sampling import masked_row_sample, row_sample
@@ -88,8 +87,7 @@ def measured_triton_ops(shapes: list[LinearShape], batch_sizes: list[int],
     key = {**device_key(device), "dtype": str(dtype), "quantization": quantization,
            "shapes": [list(s) for s in shapes], "batch_sizes": list(batch_sizes),
            "tile_candidates": [list(c) for c in TILE_CANDIDATES],
-           "gemv_candidates": [list(c) for c in (GEMV_CANDIDATES_8BIT if quantization
-                                                 else GEMV_CANDIDATES)],
+           "gemv_candidates": [list(c) for c in gemv_candidates(quantization is not None)],
            "kernels_source": source_hash("kernels")}
     wins, cached = cache.get_or_measure(
         "linear-table", key,
