@@ -169,7 +169,8 @@ def main() -> None:
     parser.add_argument("--structured", type=int, default=0, metavar="K")
     parser.add_argument("--kernels", type=int, default=10, metavar="N",
                         help="list the decode graph's N kernels taking the most time")
-    parser.add_argument("--quantization", default=None, help="int8 or fp8 (vLLM's option)")
+    parser.add_argument("--quantization", choices=("int8", "fp8"),
+                        help="8-bit weights for the blocks' linears (default: fp16)")
     args = parser.parse_args()
     checkpoint = checkpoint_for(args.model)
     batches = [int(b) for b in args.batch.split(",")]
