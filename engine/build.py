@@ -23,10 +23,8 @@ from engine.structured.process import GrammarProcess
 log = logging.getLogger(__name__)
 
 
-def build_runner(config: EngineConfig, mask_source=None):
-    """A ModelRunner ready to launch steps (torch is imported here, not before).
-    `mask_source`: the grammars' page-locked mask buffer, which the masked draw's graphs then
-    copy from themselves (GrammarProcess.page_locked_mask)."""
+def build_runner(config: EngineConfig):
+    """A ModelRunner ready to launch steps (torch is imported here, not before)."""
     from engine.speculative.draft_model.method import build_draft, draft_memory, find_draft
     from engine.speculative.host_drafts import HostDraftSpeculation
     from engine.worker.kv_sizing import KVSizing
@@ -53,7 +51,7 @@ def build_runner(config: EngineConfig, mask_source=None):
     if draft is not None:
         runner.speculation = build_draft(config, runner, draft)
     if runner.uses_graphs:
-        runner.capture_graphs(mask_source)
+        runner.capture_graphs()
     return runner
 
 
@@ -71,7 +69,7 @@ def build_engine_core(config: EngineConfig, runner=None,
 
     grammars = build_grammars(config, resolve_device(config.model.device))
     try:
-        runner = build_runner(config, getattr(grammars, "page_locked_mask", None))
+        runner = build_runner(config)
         step_times = measured_step_times(config, runner)
     except BaseException:
         if isinstance(grammars, GrammarProcess):  # its children end with their sockets

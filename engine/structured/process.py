@@ -157,8 +157,6 @@ class GrammarProcess:
         os.close(mailbox_fd)
         self._bitmask = np.ndarray((max_rows, MASK_WORDS), np.int32, self._memory)
         pinned = pin and _pin(self._bitmask)
-        # every mask take_mask returns is its leading rows: graphs may copy from it themselves
-        self.page_locked_mask = self._bitmask if pinned else None
         # on close or collection: a registration outliving its mapping would refuse the next
         self._close = weakref.finalize(self, _stop, self._children, self._memory,
                                        self._bitmask.ctypes.data if pinned else None)

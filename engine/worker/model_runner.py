@@ -92,14 +92,13 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         self.kv_caches = self.allocate_kv_cache(num_blocks)
 
-    def capture_graphs(self, mask_source: np.ndarray | None = None) -> None:
+    def capture_graphs(self) -> None:
         """Mixed-step graphs (the larger) first, then decode graphs, in one memory pool,
         all writing their logits and draws into one StepOutputs; each graph runs the
         speculation's follower over the step's inputs too, if it has one. Then the masked
         draw's, the logprobs' and the block copies' graphs (structured outputs' rows after a
         graph's draw; rows asking for logprobs; forked beams in steps other than decode
-        steps, whose graphs make their copies), in a pool of their own. `mask_source`: the
-        page-locked buffer every grammar mask is a view of, if any (MaskedDrawGraphs)."""
+        steps, whose graphs make their copies), in a pool of their own."""
         sched, plan, start, pool = self.config.scheduler, self.graph_plan, time.perf_counter(), None
         follower, cfg = self.speculation.follower, self.model.config
         step = StepOutputs(plan.max_sample_rows, cfg.padded_vocab_size, cfg.vocab_size,
@@ -118,7 +117,7 @@ class ModelRunner:
         self.decode_graphs.capture(pool)
         self.sampler.masked_graphs = MaskedDrawGraphs(
             self.model.ops.masked_sample, step, -(-cfg.vocab_size // 32), sched.max_num_seqs,
-            self.device, self.decode_graphs.masked_draw_inputs, mask_source)
+            self.device, self.decode_graphs.masked_draw_inputs)
         self.sampler.logprob_graphs = LogprobGraphs(self.model.ops.token_logprobs, step,
                                                     self.dtype, sched.max_num_seqs, self.device)
         self.block_copy_graph = BlockCopyGraph(self.model.ops.copy_staged_blocks,

@@ -15,7 +15,6 @@ from engine.worker.cuda_graphs import (MIN_MIXED_TOKENS, DecodeGraphs, DecodeSta
                                        mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 from engine.worker.inputs import prepare_host_inputs
-from engine.structured.manager import MASK_WORDS, StructuredOutputs
 from engine.worker.layers import masked_sample
 from eager_graphs import replay_eagerly, replay_masked_draw_eagerly
 from fakes import ScriptedProposer, drafts_at_rate
@@ -150,11 +149,6 @@ FILTERED = PLAIN + [SamplingParams(top_k=5, max_tokens=20, ignore_eos=True)]
 STRUCTURED = PLAIN + [SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True,
                                      structured_outputs=StructuredOutputsParams(
                                          regex="[a-z ]{200}"))]
-# the masked draw's staged graphs copying each mask from the grammars' buffer, under a regex
-# whose mask changes from token to token (a stale mask would draw other tokens)
-STRUCTURED_FROM_SOURCE = PLAIN + [SamplingParams(
-    temperature=0.9, max_tokens=20, ignore_eos=True,
-    structured_outputs=StructuredOutputsParams(regex="([a-m][n-z ]){100}"))]
 
 
 def eager_step_graphs(runner, max_seqs: int, max_tokens: int, copy_blocks: bool = False,
@@ -182,8 +176,8 @@ def eager_step_graphs(runner, max_seqs: int, max_tokens: int, copy_blocks: bool 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [GREEDY, PLAIN, FILTERED, STRUCTURED, STRUCTURED_FROM_SOURCE],
-                         ids=["greedy", "plain", "top-k", "structured", "structured-source"])
+@pytest.mark.parametrize("params", [GREEDY, PLAIN, FILTERED, STRUCTURED],
+                         ids=["greedy", "plain", "top-k", "structured"])
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                                                   async_scheduling, params):
@@ -194,14 +188,12 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
     give the eager path's
     tokens, and so do structured-output rows drawn again in the graphs' StepOutputs
     (MaskedDrawGraphs), in continued steps too, whose draws read their inputs staged with the
-    step's, from the grammars' mask buffer itself where the graphs are given it. Graphs are
-    replaced by eager replays, so this runs without CUDA. A 24-token budget splits prompts
-    into chunks that share steps with decodes."""
+    step's. Graphs are replaced by eager replays, so this runs without CUDA. A 24-token budget splits prompts into chunks that share steps with
+    decodes."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
     rng = random.Random(3)
     prompts = [[rng.randrange(50256) for _ in range(rng.randint(1, 40))] for _ in range(7)]
-    from_source = params is STRUCTURED_FROM_SOURCE
-    filtered, structured = params is FILTERED, params is STRUCTURED or from_source
+    filtered, structured = params is FILTERED, params is STRUCTURED
     params = [params[i % len(params)] for i in range(len(prompts))]
     results, masked_draws = [], []
     for with_graphs in (False, True):
@@ -212,13 +204,10 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
         if with_graphs:
             step, decode, mixed = eager_step_graphs(runner, max_seqs=4, max_tokens=24,
                                                     masked_rows=MaskedDrawGraphs.rows_for(4))
-            source = np.zeros((4, MASK_WORDS), np.int32) if from_source else None
-            if from_source:
-                llm.engine.core.grammars = StructuredOutputs(4, source)
             masked = runner.sampler.masked_graphs = MaskedDrawGraphs(
                 lambda *args: masked_draws.append(args[1].shape[0]) or masked_sample(*args),
                 step, -(-runner.model.config.vocab_size // 32), 4, torch.device("cpu"),
-                decode.masked_draw_inputs, source)
+                decode.masked_draw_inputs)
             replay_masked_draw_eagerly(masked, staged=True)
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if with_graphs:

@@ -317,55 +317,6 @@ def test_the_masked_draw_graphs_redraw_the_step_rows_in_place(device, monkeypatc
     assert not graphs.takes(step.logits[:batch, :vocab], step.drawn[:batch], batch + 1)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_staged_masked_draw_graphs_copy_the_mask_from_its_source(device, monkeypatch):
-    """Given the buffer every mask is a view of (page-locked on CUDA), the staged graphs copy
-    the mask in themselves: each replay draws under what the buffer holds when it runs, as the
-    count shrinks and grows; a mask from elsewhere is refused."""
-    from eager_graphs import replay_masked_draw_eagerly
-    from engine.worker.cuda_graphs import MaskedDrawGraphs, StepOutputs
-
-    device, vocab, batch = torch.device(device), 1000, 16
-    if device.type == "cuda":
-        from kernels.sampling import masked_row_sample as masked_draw
-    else:
-        masked_draw = layers.masked_sample
-        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no pinning on CPU
-    words = -(-vocab // 32)
-    source = torch.zeros(batch, words, dtype=torch.int32, pin_memory=device.type == "cuda")
-    staged = torch.zeros(3, MaskedDrawGraphs.rows_for(batch), dtype=torch.int64, device=device)
-    step = StepOutputs(batch, 1024, vocab, torch.float16, device)
-    graphs = MaskedDrawGraphs(masked_draw, step, words, batch, device, staged, source.numpy())
-    if device.type == "cuda":
-        graphs.capture()
-    else:
-        replay_masked_draw_eagerly(graphs, staged=True)
-    rng = np.random.default_rng(1)
-    for count in (8, 3, 13, 1, 5):
-        logits = torch.randn(batch, vocab, device=device).half()
-        step.logits[:batch, :vocab] = logits
-        step.drawn[:batch] = torch.arange(100, 100 + batch)
-        rows = np.sort(rng.choice(batch, count, replace=False)).astype(np.int64)
-        bits = rng.random((count, words * 32)) < 0.1
-        source.numpy()[:count] = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
-        temperature = rng.choice([0.0, 0.7, 1.0], count).astype(np.float32)
-        seeds = rng.integers(0, 2**62, count)
-        expected = step.drawn[:batch].clone()
-        masked_draw(logits, torch.from_numpy(rows).to(device), source[:count].to(device),
-                    torch.from_numpy(temperature).to(device), torch.from_numpy(seeds).to(device),
-                    expected)
-        inputs = np.zeros(tuple(staged.shape), np.int64)
-        graphs.stage(inputs, rows, temperature, seeds)
-        staged.copy_(torch.from_numpy(inputs))
-        graphs.run_staged(source.numpy()[:count])
-        drawn = step.drawn[:batch].cpu()
-        assert torch.equal(drawn, expected.cpu())
-        assert bits[np.arange(count), drawn[rows]].all()
-    with pytest.raises(ValueError, match="mask source"):
-        graphs.run_staged(source.numpy()[:2].copy())
-
-
 def test_plain_draws_asking_for_logprobs_keep_the_graphs_draw():
     """Rows whose only extra is logprobs take the draw a decode graph made (`drawn`) and read
     their logprobs beside it; the other rows' logprobs stay None."""

@@ -4,17 +4,12 @@ step's most sampled rows, for each of two places its inputs come from:
 
 - a decode step's, staged at its launch (`stage`) into the decode graphs' `masked_draw`
   segment and copied in with its other inputs (`staged_inputs`): the draw then costs the host
-  one replay (`run_staged`), whose graph copies the mask in itself where every mask is a view
-  of one page-locked buffer (`mask_source`, the grammar processes'), else the mask's copy too;
-- any other step's (`run`): a copy from the graphs' own pinned mirror and the mask's copy.
+  the mask's copy and one replay (`run_staged`);
+- any other step's (`run`): a copy from the graphs' own pinned mirror too.
 
     staged    rows | seeds | temperature bits  (int64 [3, top])  ─copy─▶  inputs (device)
     grammar mask (page-locked, the grammars')                    ─copy─▶  words[:R]
     graph[size]: masked_draw(step logits, inputs rows, words[:size], ...) ─▶ step draws[rows]
-
-A staged graph over `mask_source` begins with the copy of its leading `size` rows (a replay
-reads the buffer when it runs, so the grammars must leave it alone until the step's tokens are
-waited for, as they must for the copy it replaces).
 
 Each replaces the kernel's launch (Triton's launcher takes ~0.13 ms of host time on the H100
 node) and three fresh uploads. Rows R..size-1 name the StepOutputs' spare row: their draws
@@ -33,13 +28,10 @@ from engine.worker.cuda_graphs.plan import power_of_two_sizes
 
 class MaskedDrawGraphs:
     def __init__(self, masked_draw: Callable, step: StepOutputs, words: int, max_rows: int,
-                 device: torch.device, staged_inputs: torch.Tensor | None = None,
-                 mask_source: np.ndarray | None = None) -> None:
+                 device: torch.device, staged_inputs: torch.Tensor | None = None) -> None:
         """`masked_draw`: Ops.masked_sample; `words`: int32 words of a bitmask row;
         `max_rows`: the most constrained rows a step samples; `staged_inputs`: the device
-        segment [3, rows_for(max_rows)] a decode step's inputs are staged into, if any;
-        `mask_source`: the int32 [rows, words] buffer (page-locked on CUDA) whose leading
-        rows every mask given to `run_staged` is, if there is one."""
+        segment [3, rows_for(max_rows)] a decode step's inputs are staged into, if any."""
         self.sizes = power_of_two_sizes(max_rows)
         top = self.sizes[-1]
         self.step = step
@@ -50,7 +42,6 @@ class MaskedDrawGraphs:
         self._inputs = self._staging.to(device)
         self._staged_inputs = staged_inputs
         self._words = torch.zeros(top, words, dtype=torch.int32, device=device)
-        self._source = None if mask_source is None else torch.from_numpy(mask_source)
         self._copied = torch.cuda.Event() if pin else None
         self.graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}  # (staged, size)
         self.steps_staged = 0  # draws whose inputs came in with a decode step's
@@ -72,9 +63,6 @@ class MaskedDrawGraphs:
     def record(self, size: int, staged: bool = False) -> None:
         """What the graph for `size` rows runs, reading the staged segment if `staged`."""
         inputs = self._staged_inputs if staged else self._inputs
-        if staged and self._source is not None:
-            rows = min(size, len(self._source))
-            self._words[:rows].copy_(self._source[:rows], non_blocking=True)
         temperature = inputs[2, :size].view(torch.float64)
         self._draw(self.step.logits[:, :self.step.vocab], inputs[0, :size], self._words[:size],
                    temperature, inputs[1, :size], self.step.drawn)
@@ -115,15 +103,9 @@ class MaskedDrawGraphs:
 
     def run_staged(self, words: np.ndarray) -> None:
         """`run` for a step whose other inputs were staged (`stage`) into the decode graphs'
-        segment and copied in with its inputs; `words` holds one row per constrained row:
-        with a `mask_source`, its leading rows (ValueError otherwise), which the graph copies."""
+        segment and copied in with its inputs; `words` holds one row per constrained row."""
         self.steps_staged += 1
-        if self._source is None:
-            self._replay(True, words)
-            return
-        if words.ctypes.data != self._source.data_ptr():
-            raise ValueError("the mask is not the leading rows of the graphs' mask source")
-        self.graphs[True, next(s for s in self.sizes if s >= len(words))].replay()
+        self._replay(True, words)
 
     def _replay(self, staged: bool, words: np.ndarray) -> None:
         count = len(words)
