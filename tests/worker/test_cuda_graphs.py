@@ -145,10 +145,11 @@ PLAIN = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True),
          SamplingParams(temperature=1.3, seed=11, max_tokens=20, ignore_eos=True)]
 # one top-k row sends every step of its batch through the torch sampler
 FILTERED = PLAIN + [SamplingParams(top_k=5, max_tokens=20, ignore_eos=True)]
-# a structured-output row (a regex that never completes): drawn again under its grammar mask
+# a structured-output row (a regex that never completes): drawn again under its grammar mask,
+# which changes from token to token (a stale mask would draw other tokens)
 STRUCTURED = PLAIN + [SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True,
                                      structured_outputs=StructuredOutputsParams(
-                                         regex="[a-z ]{200}"))]
+                                         regex="([a-m][n-z ]){100}"))]
 
 
 def eager_step_graphs(runner, max_seqs: int, max_tokens: int, copy_blocks: bool = False,
