@@ -54,6 +54,8 @@ GEMV_CANDIDATES_8BIT = (*GEMV_CANDIDATES, GemvConfig(4, 1024, 4, 1, True, 2))
 def gemv_candidates(eight_bit: bool) -> tuple[GemvConfig, ...]:
     """The GEMV configs the startup table tries for 16-bit or 8-bit weights."""
     return GEMV_CANDIDATES_8BIT if eight_bit else GEMV_CANDIDATES
+
+
 # From this many rows on, an 8-bit weight is dequantized to x's dtype (kernels/dequantize.py,
 # into a temporary) and its linear runs on cuBLAS (but fp8's fp8 GEMM, above); fewer rows
 # stream it 8-bit (kernels/quant_linear.py). 65: the streaming kernel's 17-64 row tile won up
