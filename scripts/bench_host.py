@@ -1,14 +1,17 @@
 """Host cost of LLMEngine.step() at a decode batch, on the CPU: a no-op model runner samples
 instantly, so every millisecond is the engine's own Python. Median ms per phase, for streaming
 and final-only outputs (as LLM.generate uses), with and without async scheduling. --offline
-times bench_offline's whole workload instead: the host's share of an offline run.
+times bench_offline's whole workload instead: the host's share of an offline run. --beam W
+times the steps of one beam search of width W (`--repeats` searches, a fresh engine each).
 
     .venv/bin/python scripts/bench_host.py --batch 256
     .venv/bin/python scripts/bench_host.py --offline --num-prompts 1000 --budget 4096
+    .venv/bin/python scripts/bench_host.py --beam 4 --steps 60 --repeats 15
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from types import SimpleNamespace
 
@@ -17,7 +20,7 @@ from bench_offline import random_prompts
 from profile_decode import host_phases
 
 from engine import LLMEngine, SamplingParams
-from engine.core.batch import RunnerOutput, SchedulerOutput
+from engine.core.batch import RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprobs
 from engine.core.config import EngineConfig
 from engine.worker.cuda_graphs import (DecodeStager, MixedStager, decode_meta_layout,
                                        mixed_capture_sizes, mixed_meta_layout)
@@ -35,7 +38,8 @@ class NoOpRunner:
     the step's host inputs staged into arrays shaped like the CUDA graphs' pinned buffers,
     two decode mirrors taking turns; a decode step that continues the last one by row index
     staged as ModelRunner._launch_plain_decode stages it) and samples at once: a token that
-    changes with the step and the row, so detokenization sees varied text."""
+    changes with the step and the row, so detokenization sees varied text, and the logprobs
+    of rows that ask for them (a beam's step: its top 2B)."""
 
     def __init__(self, config: EngineConfig):
         sched, block_size = config.scheduler, config.cache.block_size
@@ -52,6 +56,7 @@ class NoOpRunner:
                                         host_views(mixed_meta_layout(n, width), np.int32))
         self.sampler = Sampler(config.model.seed)
         self.startup = StartupPhases()  # nothing to load, compile or size: no phases
+        self.rng = np.random.default_rng(0)  # the logprobs of rows that ask for them
         self._steps = 0
         self._decode_steps = 0
         self._plain_decode: PlainDecode | None = None
@@ -84,8 +89,26 @@ class NoOpRunner:
         ids = [s.request_id for s in to_sample]
         self._steps += 1
         tokens = [(self._steps * 7919 + row) % 50000 for row in range(len(ids))]
-        output = RunnerOutput(ids, tokens, [None] * len(ids))
+        output = RunnerOutput(ids, tokens, self._logprobs(to_sample, tokens))
         return SimpleNamespace(wait=lambda: output)  # a pending step, nothing to wait for
+
+    def _logprobs(self, to_sample: list[ScheduledSequence],
+                  tokens: list[int]) -> list[TokenLogprobs | None]:
+        """Each row asking for k logprobs gets k distinct top tokens, its sampled token first
+        (a greedy row's argmax), with random descending logprobs (so beams fork), as Python
+        lists like SamplerOutput.to_lists'; None for the others."""
+        rows = [row for row, s in enumerate(to_sample) if s.params.logprobs is not None]
+        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+        if not rows:
+            return logprobs
+        num_top = max(1, *(to_sample[row].params.logprobs for row in rows))
+        gaps = self.rng.exponential(1.0, (len(rows), num_top))
+        top_lps = (-np.cumsum(gaps, axis=1)).tolist()
+        for row, lps in zip(rows, top_lps):
+            k = to_sample[row].params.logprobs
+            top_ids = [(tokens[row] + 997 * j) % 50000 for j in range(k)]
+            logprobs[row] = TokenLogprobs(lps[0], top_ids, lps[:k])
+        return logprobs
 
     def _next_decode_stager(self) -> DecodeStager:
         """The mirror whose turn it is: the other one staged the last decode step."""
@@ -104,6 +127,27 @@ def measure(batch: int, steps: int, output_kind: str, async_scheduling: bool) ->
     engine = LLMEngine(config, runner=NoOpRunner(config))
     params = SamplingParams(temperature=1.0, ignore_eos=True, output_kind=output_kind)
     return host_phases(engine, batch, params, steps)
+
+
+def measure_beam(width: int, steps: int) -> dict:
+    """One beam search of `width` beams (ignore_eos, 128-token prompt) over `steps` steps,
+    as profile_decode --beam times it on the GPU."""
+    config = EngineConfig.from_flat(max_num_seqs=width, num_kv_blocks=width * (1024 // 16),
+                                    block_size=16)
+    engine = LLMEngine(config, runner=NoOpRunner(config))
+    return host_phases(engine, 1, SamplingParams(temperature=0.0, ignore_eos=True), steps,
+                       beam_width=width)
+
+
+def print_beam(width: int, steps: int, repeats: int) -> None:
+    """measure_beam's phases for `repeats` searches, a fresh engine each, and their medians."""
+    print(f"beam {width}, median ms of {steps} steps of one search (async)")
+    print(f"{'search':<18}" + "".join(f"{p:>11}" for p in PHASES))
+    runs = [measure_beam(width, steps) for _ in range(repeats)]
+    for i, result in enumerate(runs):
+        print(f"{i:<18}" + "".join(f"{result[p]:>11.4f}" for p in PHASES), flush=True)
+    print(f"{'median':<18}" + "".join(f"{statistics.median(r[p] for r in runs):>11.4f}"
+                                      for p in PHASES))
 
 
 def offline_host(batch: int, budget: int, num_prompts: int, input_len: int,
@@ -132,7 +176,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
+    parser.add_argument("--beam", type=int, default=0, metavar="W",
+                        help="time the steps of one beam search of width W instead")
+    parser.add_argument("--repeats", type=int, default=5, help="--beam: searches timed")
     args = parser.parse_args()
+    if args.beam:
+        print_beam(args.beam, args.steps, args.repeats)
+        return
     if args.offline:
         result = offline_host(args.batch, args.budget, args.num_prompts, args.input_len,
                               args.output_len)

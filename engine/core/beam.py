@@ -38,9 +38,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import itemgetter
 
 from engine.core.batch import TokenLogprobs
 from engine.core.request import EOS_TOKEN_ID, MAX_LOGPROBS, Request, SamplingParams
+
+_CUM_LOGPROB = itemgetter(0)  # a candidate's sort key (_top_candidates)
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class BeamSearchParams:
         return 2 * self.beam_width
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per live beam per step: slots, not frozen, for speed; read-only
 class _Beam:
     generated: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs, ...] = ()
@@ -123,17 +126,19 @@ class BeamSearch:
         width = self.params.beam_width
         self._num_generated += 1
         at_limit = self._num_generated == self.params.max_tokens
+        eos = None if self.params.ignore_eos else self.eos_token_id  # None: no token ends one
         candidates = self._top_candidates(results)
         parents, self._live, chosen = self._live, [], []
         for rank, (_, index, token, logprob) in enumerate(candidates):
-            is_eos = token == self.eos_token_id and not self.params.ignore_eos
-            if is_eos or at_limit:
+            if at_limit or token == eos:
                 if rank < width:
                     self._add_finished(_child(parents[index], token, logprob, results[index]),
-                                       is_eos)
-            elif len(self._live) < width:
+                                       token == eos)
+            else:
                 self._live.append(_child(parents[index], token, logprob, results[index]))
                 chosen.append((index, token))
+                if len(chosen) == width:
+                    break  # the candidates left rank >= beam_width: none goes on or ends
         self.finished = not self._live or self._cannot_improve()
         return [] if self.finished else chosen
 
@@ -151,7 +156,7 @@ class BeamSearch:
         candidates = [(beam.cum_logprob + lp, index, token, lp)
                       for index, (beam, entry) in enumerate(zip(self._live, results))
                       for token, lp in zip(entry.top_token_ids[:k], entry.top_logprobs)]
-        candidates.sort(key=_cum_logprob, reverse=True)
+        candidates.sort(key=_CUM_LOGPROB, reverse=True)
         return candidates[:k]
 
     def _add_finished(self, beam: _Beam, ended_by_eos: bool) -> None:
@@ -173,10 +178,6 @@ class BeamSearch:
             length = params.max_tokens
         best_possible = self._live[0].cum_logprob / length ** params.length_penalty
         return best_possible <= self._finished[-1].score
-
-
-def _cum_logprob(candidate: tuple[float, int, int, float]) -> float:
-    return candidate[0]
 
 
 def _child(parent: _Beam, token: int, logprob: float, entry: TokenLogprobs) -> _Beam:
