@@ -463,14 +463,12 @@ class _Reply:
         return offset
 
     def _prompt_entries(self, prompt_index: int) -> list[TokenLogprobs | None]:
-        """The prompt's logprobs, one entry per token, each with every token of its position
-        (the token itself and the top-k)."""
-        prompt = self.prompts[prompt_index]
-        entries = self.finals[prompt_index].prompt_logprobs or [None] * len(prompt)
-        return [None if entry is None else
-                TokenLogprobs(entry[token].logprob, list(entry),
-                              [lp.logprob for lp in entry.values()])
-                for token, entry in zip(prompt, entries)]
+        """The prompt's logprobs, one entry per token (None for the first), each with every
+        token of its position's map (see _echoed_entry)."""
+        logprobs = self.finals[prompt_index].prompt_logprobs
+        if logprobs is None:
+            return [None] * len(self.prompts[prompt_index])
+        return [None, *itertools.starmap(_echoed_entry, logprobs.rows())]
 
     def _token_name(self, token_id: int) -> str:
         """A logprob token's text, or with return_tokens_as_token_ids "token_id:<id>" (two
@@ -484,3 +482,15 @@ class _Reply:
                for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
         top.setdefault(sampled_name, finite_logprob(entry.token_logprob))
         return top
+
+
+def _echoed_entry(token: int, logprob: float, rank: int, top_ids: list[int],
+                  top_logprobs: list[float]) -> TokenLogprobs:
+    """One prompt position's row (FlatPromptLogprobs.rows) in its map's order: the token
+    first, with its top-k logprob when among the top-k, then the rest of the top-k."""
+    if token not in top_ids:
+        return TokenLogprobs(logprob, [token, *top_ids], [logprob, *top_logprobs])
+    i = top_ids.index(token)
+    own = top_logprobs[i]
+    return TokenLogprobs(own, [token, *top_ids[:i], *top_ids[i + 1:]],
+                         [own, *top_logprobs[:i], *top_logprobs[i + 1:]])

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
     ValidationError
 
 from engine.core.request import MAX_LOGPROBS, SamplingParams
-from engine.output.outputs import PromptLogprobsList
+from engine.output.outputs import TOP_RANKS, FlatPromptLogprobs
 from engine.output.tokenizer import Tokenizer, check_token_ids, is_token_list
 from server.structured_outputs import SpecError, StructuredFields, spec_of
 
@@ -507,11 +507,18 @@ class PromptLogprob(msgspec.Struct):
 PromptLogprobsJSON = list[dict[int, PromptLogprob] | None]
 
 
-def prompt_logprobs_json(entries: PromptLogprobsList) -> PromptLogprobsJSON:
-    """The engine's prompt logprobs as vLLM answers them, logprobs made finite."""
-    return [None if entry is None else
-            {token: PromptLogprob(finite_logprob(lp.logprob), lp.rank, lp.decoded_token)
-             for token, lp in entry.items()} for entry in entries]
+def prompt_logprobs_json(logprobs: FlatPromptLogprobs) -> PromptLogprobsJSON:
+    """The engine's (complete) prompt logprobs as vLLM answers them, logprobs made finite:
+    FlatPromptLogprobs' maps, read from its columns."""
+    text = logprobs.token_strings
+    entries: PromptLogprobsJSON = [None]
+    for token, logprob, rank, top_ids, top_logprobs in logprobs.rows():
+        entry = {token: None if token in top_ids
+                 else PromptLogprob(finite_logprob(logprob), rank, text[token])}
+        for top_rank, top, top_logprob in zip(TOP_RANKS, top_ids, top_logprobs):
+            entry[top] = PromptLogprob(finite_logprob(top_logprob), top_rank, text[top])
+        entries.append(entry)
+    return entries
 
 
 class Usage(msgspec.Struct):
@@ -531,5 +538,6 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
 
 
 def finite_logprob(value: float) -> float:
-    """JSON has no NaN or inf; vLLM clamps the same way."""
-    return max(value, -9999.0) if math.isfinite(value) else -9999.0
+    """JSON has no NaN or inf; vLLM clamps the same way: below -9999.0, NaN and +-inf become
+    -9999.0. One comparison chain, no call: it runs per logprob of a response."""
+    return value if -9999.0 <= value < math.inf else -9999.0

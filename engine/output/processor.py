@@ -13,12 +13,12 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from engine.core.batch import PromptLogprobs, TokenLogprobs
+from engine.core.batch import TokenLogprobs
 from engine.core.messages import CoreRequest, SequenceOutput, StepOutput
-from engine.core.request import MAX_LOGPROBS, RequestStatus, SamplingParams
+from engine.core.request import RequestStatus, SamplingParams
 from engine.output.detokenize import TextStream
-from engine.output.outputs import (CompletionOutput, Logprob, PromptLogprobsList,
-                                   RequestMetrics, RequestOutput)
+from engine.output.outputs import (CompletionOutput, FlatPromptLogprobs, RequestMetrics,
+                                   RequestOutput)
 from engine.output.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -75,39 +75,6 @@ class _Choice:
         return items if self.finish_reason is not None else list(items)
 
 
-class _PromptLogprobs:
-    """A request's prompt logprobs in vLLM's shape, filled chunk by chunk by choice 0."""
-
-    def __init__(self, prompt_token_ids: list[int], tokenizer: Tokenizer) -> None:
-        self.prompt_token_ids, self.tokenizer = prompt_token_ids, tokenizer
-        self.entries: PromptLogprobsList = [None] * len(prompt_token_ids)
-        self.num_missing = len(prompt_token_ids) - 1  # prompt token 0 never has any
-
-    def add(self, chunk: PromptLogprobs) -> None:
-        """Each token's own Logprob, then the top-k's (replacing it when among them, as vLLM
-        builds the map: the token's key stays first)."""
-        text = self.tokenizer.token_string_table  # decode([t]) by token id
-        first, count = chunk.first_index, len(chunk.token_logprobs)
-        tokens = self.prompt_token_ids[first:first + count]
-        if first < 1 or len(tokens) != count:
-            raise IndexError(f"prompt logprobs for positions {first}..{first + count - 1} of "
-                             f"a {len(self.prompt_token_ids)}-token prompt")
-        ranks = range(1, MAX_LOGPROBS + 1)  # zip stops at the row's top-k
-        entries = []
-        for token, logprob, rank, top_ids, top_logprobs in zip(
-                tokens, chunk.token_logprobs, chunk.ranks, chunk.top_token_ids,
-                chunk.top_logprobs):
-            entry = {token: None if token in top_ids else Logprob(logprob, rank, text[token])}
-            for top, top_logprob, top_rank in zip(top_ids, top_logprobs, ranks):
-                entry[top] = Logprob(top_logprob, top_rank, text[top])
-            entries.append(entry)
-        self.entries[first:first + count] = entries
-        self.num_missing -= count
-
-    def complete(self) -> PromptLogprobsList | None:
-        return self.entries if self.num_missing == 0 else None
-
-
 @dataclass
 class _Group:
     request_id: str
@@ -115,19 +82,19 @@ class _Group:
     prompt_token_ids: list[int]
     choices: list[_Choice]
     error: str | None = None  # set when handling this request's output raised
-    prompt_logprobs: _PromptLogprobs | None = None  # asked for: filled by choice 0
+    prompt_logprobs: FlatPromptLogprobs | None = None  # asked for: filled by choice 0
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
 
     def to_output(self) -> RequestOutput:
-        """Every choice's output (see _Choice.emit)."""
+        """Every choice's output (see _Choice.emit); the prompt logprobs once complete."""
         outputs, metrics = zip(*map(_Choice.emit, self.choices))
+        logprobs = self.prompt_logprobs
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              list(outputs), list(metrics), self.error,
-                             None if self.prompt_logprobs is None
-                             else self.prompt_logprobs.complete())
+                             logprobs if logprobs is not None and logprobs.complete else None)
 
 
 class OutputProcessor:
@@ -146,7 +113,8 @@ class OutputProcessor:
             raise ValueError(f"request id {request_id!r} is already in use")
         group = _Group(request_id, prompt, prompt_token_ids, [])
         if params.prompt_logprobs is not None:
-            group.prompt_logprobs = _PromptLogprobs(prompt_token_ids, self.tokenizer)
+            group.prompt_logprobs = FlatPromptLogprobs(prompt_token_ids,
+                                                       self.tokenizer.token_string_table)
         sequences = []
         for i in range(params.n):
             seq_params = params if params.seed is None else replace(params, seed=params.seed + i)

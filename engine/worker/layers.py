@@ -202,13 +202,18 @@ def masked_sample(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tenso
     out[rows] = torch.where(dead, first_allowed, best)
 
 
+def sanitized(logits: torch.Tensor) -> torch.Tensor:
+    """Logits (any float dtype, kept) with NaN and -inf as -inf and +inf as the dtype's largest
+    value."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max,
+                            neginf=float("-inf"))
+
+
 def sanitized_log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """The float32 log-softmax of logits (any float dtype) sanitised: NaN and -inf count as
-    -inf, +inf as the dtype's largest value, and a row with nothing finite is uniform (its
-    log-softmax is NaN throughout, replaced by -log V). Three kernels."""
-    finite = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max,
-                              neginf=float("-inf"))
-    return torch.log_softmax(finite, -1, dtype=torch.float32).nan_to_num_(
+    """The float32 log-softmax of `sanitized` logits (any float dtype); a row with nothing
+    finite is uniform (its log-softmax is NaN throughout, replaced by -log V). Three
+    kernels."""
+    return torch.log_softmax(sanitized(logits), -1, dtype=torch.float32).nan_to_num_(
         nan=-math.log(logits.shape[-1]), neginf=float("-inf"))
 
 
@@ -223,6 +228,19 @@ def token_logprobs(logits: torch.Tensor, rows: torch.Tensor | None, tokens: torc
     logprobs = sanitized_log_softmax(logits)
     top = logprobs.topk(k, dim=-1)
     return logprobs.gather(1, tokens[:, None]).squeeze(1), top.values, top.indices
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """token_logprobs of every row at targets (int64 [R]), with each target's rank: how many
+    of the row's `sanitized` logits are >= its own (vLLM's rank over the log-softmax, which
+    keeps their order; 1 for the likeliest). Returns float32 [R], int64 [R], float32 [R, k],
+    int64 [R, k]."""
+    finite = sanitized(logits)
+    ranks = (finite >= finite.gather(1, targets[:, None])).sum(dim=-1)
+    del finite
+    token, top_values, top_ids = token_logprobs(logits, None, targets, k)
+    return token, ranks, top_values, top_ids
 
 
 def copy_staged_blocks(storage: torch.Tensor, pairs: torch.Tensor) -> None:
@@ -265,6 +283,8 @@ class Ops:
     masked_sample: Callable[..., None]
     # token_logprobs(logits, rows, tokens, k) -> (token logprob, top k logprobs, their ids)
     token_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # prompt_logprobs(logits, targets, k) -> (target logprob, its rank, top k logprobs, ids)
+    prompt_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     # copy_staged_blocks(kv storage, device pairs [n, srcs, dsts]): a forked beam's block copies
     copy_staged_blocks: Callable[[torch.Tensor, torch.Tensor], None]
     # gather_tokens(prev, own, source, num_prev) -> a graph step's input ids
@@ -278,5 +298,5 @@ class Ops:
 
 TORCH_OPS = Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                 add_norm_linear=add_norm_linear, sample=sample, masked_sample=masked_sample,
-                token_logprobs=token_logprobs, copy_staged_blocks=copy_staged_blocks,
-                gather_tokens=gather_tokens)
+                token_logprobs=token_logprobs, prompt_logprobs=prompt_logprobs,
+                copy_staged_blocks=copy_staged_blocks, gather_tokens=gather_tokens)

@@ -299,7 +299,8 @@ class ModelRunner:
             logits = drawn = None  # after the prompt logprobs' slices: not held beside them
         prompt_logprobs = None
         if out.has_prompt_logprobs:
-            prompt_logprobs = compute_prompt_logprobs(hidden, self.model.lm_head, seqs,
+            prompt_logprobs = compute_prompt_logprobs(hidden, self.model.lm_head,
+                                                      self.model.ops.prompt_logprobs, seqs,
                                                       host.query_start_loc)
             prompt_logprobs.begin_host_copy()
         if logits is None:

@@ -22,7 +22,7 @@ from kernels.gather_tokens import gather_tokens
 from kernels.gemv import GemvConfig
 from kernels.layernorm import add_layer_norm, layer_norm
 from kernels.linear import LinearDispatch, LinearWins, gemv_candidates, measure_linear_wins
-from kernels.logprobs import token_logprobs
+from kernels.logprobs import prompt_logprobs, token_logprobs
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill
 from kernels.sampling import masked_row_sample, row_sample
 from kernels.skinny_gemm import TILE_CANDIDATES, TileConfig
@@ -41,6 +41,7 @@ def triton_ops(linear_wins: LinearWins | None = None) -> Ops:
     return Ops(layer_norm=layer_norm, add_layer_norm=add_layer_norm, linear=linear,
                add_norm_linear=linear.add_norm_linear, sample=row_sample,
                masked_sample=masked_row_sample, token_logprobs=token_logprobs,
+               prompt_logprobs=prompt_logprobs,
                copy_staged_blocks=copy_staged_blocks, gather_tokens=gather_tokens,
                decode_block=decode_block if rows else None, decode_block_rows=rows)
 

@@ -1,14 +1,16 @@
 """The one-launch logprobs kernel gives the reference's token logprob and top k (log-softmax of
-the sanitised row, then gather and topk), subsets of rows, broken rows and ties included."""
+the sanitised row, then gather and topk), subsets of rows, broken rows and ties included; with
+ranks (prompt logprobs), each target's rank exactly, ties and broken rows included."""
 import math
 
 import pytest
 import torch
 
+from engine.worker.layers import prompt_logprobs as prompt_reference
 from engine.worker.layers import sanitized_log_softmax
 from engine.worker.layers import token_logprobs as reference
 from kernel_cases import DEVICE, DTYPES
-from kernels.logprobs import CHUNK, MAX_TOP, token_logprobs
+from kernels.logprobs import CHUNK, MAX_TOP, prompt_logprobs, token_logprobs
 
 
 def check(logits: torch.Tensor, rows: torch.Tensor | None, tokens: torch.Tensor, k: int):
@@ -80,3 +82,47 @@ def test_the_widest_top_k():
     tokens = torch.tensor([1, 2], device=DEVICE)
     got, expected = check(logits, None, tokens, MAX_TOP)
     assert torch.equal(got[2], expected[2])
+
+
+def check_prompt(logits: torch.Tensor, targets: torch.Tensor, k: int):
+    """prompt_logprobs against the reference: ranks exact, logprobs within fp32 rounding, and
+    the top k as token_logprobs gives them."""
+    token_lp, ranks, top_lp, top_ids = prompt_logprobs(logits, targets, k)
+    expected = prompt_reference(logits, targets, k)
+    assert [t.dtype for t in (token_lp, ranks, top_lp, top_ids)] == [
+        torch.float32, torch.int64, torch.float32, torch.int64]
+    assert torch.equal(ranks, expected[1])
+    assert torch.allclose(token_lp, expected[0], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(top_lp, expected[2], atol=1e-4, rtol=1e-4)
+    plain = token_logprobs(logits, None, targets, k)
+    assert torch.equal(token_lp, plain[0]) and torch.equal(top_ids, plain[2])
+    return ranks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab,k", [(1, 50257, 1), (5, 3 * CHUNK + 5, 20), (9, 1000, 0)])
+def test_prompt_logprobs_rank_each_target_as_the_reference(dtype, rows, vocab, k):
+    logits = (torch.randn(rows, vocab, device=DEVICE) * 3).to(dtype)
+    targets = torch.randint(0, vocab, (rows,), device=DEVICE)
+    targets[0] = logits[0].float().argmax()  # the likeliest token: rank 1
+    ranks = check_prompt(logits, targets, k)
+    assert ranks[0].item() == 1
+    logprobs = sanitized_log_softmax(logits)  # vLLM's rank, over the log-softmax
+    own = logprobs.gather(1, targets[:, None])
+    assert torch.equal(ranks, (logprobs >= own).sum(-1))
+
+
+def test_prompt_logprobs_ranks_count_ties_and_broken_rows():
+    """Tied logits all count (a target tied with two others ranks 3rd of three at the top);
+    NaN counts as -inf, +inf as the largest value; a row with nothing finite ranks every
+    token V."""
+    vocab = 2 * CHUNK + 9
+    logits = torch.zeros(4, vocab, device=DEVICE)
+    logits[0, [5, CHUNK + 1, 2 * CHUNK + 3]] = 2.0
+    logits[1, ::3] = float("nan")
+    logits[1, 7] = float("inf")
+    logits[2] = -float("inf")
+    logits[3, 10] = float("nan")
+    targets = torch.tensor([CHUNK + 1, 7, 4, 10], device=DEVICE)
+    ranks = check_prompt(logits, targets, 2)
+    assert ranks.tolist() == [3, 1, vocab, vocab]

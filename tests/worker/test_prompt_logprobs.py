@@ -18,10 +18,10 @@ from engine.core.batch import (PromptLogprobs, PromptLogprobsJob, ScheduledSeque
                                SchedulerOutput)
 from engine.core.config import EngineConfig
 from engine.llm import LLMEngine
-from engine.output.outputs import Logprob
-from engine.output.processor import _PromptLogprobs
+from engine.output.outputs import FlatPromptLogprobs, Logprob
 from engine.output.tokenizer import Tokenizer
 from engine.worker.cuda_graphs import MixedGraphs, mixed_capture_sizes
+from engine.worker.layers import prompt_logprobs
 from engine.worker.prompt_logprobs import SLICE_ROWS, compute_prompt_logprobs
 from eager_graphs import replay_eagerly
 from fakes import CompletedStep, PipelinedFakeRunner
@@ -143,7 +143,7 @@ def test_n_choices_share_the_prompt_logprobs_of_one(tiny_checkpoint, prompts, hf
     check_against_hf(prompts[2], output.prompt_logprobs, hf_logprobs[2], k=2)
 
 
-def test_slices_bound_the_float32_logits(tiny_checkpoint):
+def test_slices_bound_the_logits(tiny_checkpoint):
     """A 1000-position job reaches lm_head in slices of at most SLICE_ROWS rows, and gives
     what one whole pass would."""
     torch.manual_seed(0)
@@ -159,7 +159,8 @@ def test_slices_bound_the_float32_logits(tiny_checkpoint):
     targets = torch.randint(0, vocab, (1000,))
     seq = ScheduledSequence("a", [0] * 1006, 0, (0,), True, SamplingParams(),
                             prompt_logprobs=PromptLogprobsJob(5, tuple(targets.tolist()), 4))
-    out = compute_prompt_logprobs(hidden, lm_head, [seq], np.array([9, 1015]))
+    out = compute_prompt_logprobs(hidden, lm_head, prompt_logprobs, [seq],
+                                  np.array([9, 1015]))
     assert max(calls) <= SLICE_ROWS and sum(calls) == 1000
     whole = torch.log_softmax(hidden[14:1014] @ weight.T, dim=-1)
     [result] = out.to_host().values()
@@ -188,11 +189,13 @@ def test_jobs_apart_in_a_step_gather_their_own_rows():
     jobs = {"a": PromptLogprobsJob(0, (3, 4, 5, 6, 7), 2),
             "c": PromptLogprobsJob(2, tuple(range(10, 20)), 3)}
     seqs = [seq("a", 6, jobs["a"]), seq("b", 4, None), seq("c", 20, jobs["c"])]
-    together = compute_prompt_logprobs(hidden, lm_head, seqs, np.array([0, 6, 10, 30]))
+    together = compute_prompt_logprobs(hidden, lm_head, prompt_logprobs, seqs,
+                                       np.array([0, 6, 10, 30]))
     together = together.to_host()
-    alone = {**compute_prompt_logprobs(hidden[:6], lm_head, seqs[:1], np.array([0, 6])).to_host(),
-             **compute_prompt_logprobs(hidden[10:], lm_head, seqs[2:], np.array([0, 20]))
-             .to_host()}
+    alone = {**compute_prompt_logprobs(hidden[:6], lm_head, prompt_logprobs, seqs[:1],
+                                       np.array([0, 6])).to_host(),
+             **compute_prompt_logprobs(hidden[10:], lm_head, prompt_logprobs, seqs[2:],
+                                       np.array([0, 20])).to_host()}
     for name, result in together.items():  # the same rows: equal up to the matmul's rounding
         assert (result.first_index, result.ranks, result.top_token_ids) == (
             alone[name].first_index, alone[name].ranks, alone[name].top_token_ids)
@@ -219,10 +222,10 @@ def test_prompt_logprobs_maps_hold_the_token_then_the_top_k():
     """vLLM's map at each position: the prompt token's own Logprob first, then the top-k by
     rank; a token among the top-k keeps its place in the map with its top-k Logprob."""
     tokenizer = Tokenizer()
-    built = _PromptLogprobs([5, 10, 20, 30], tokenizer)
+    built = FlatPromptLogprobs([5, 10, 20, 30], tokenizer.token_string_table)
     built.add(PromptLogprobs(1, [-1.5, -0.5], [7, 1], [[40, 41], [20, 42]],
                              [[-0.1, -0.2], [-0.5, -1.0]]))
-    assert built.complete() is None  # position 3 has not arrived
+    assert not built.complete  # position 3 has not arrived
     built.add(PromptLogprobs(3, [-3.0], [2], [[0, 30]], [[-0.25, -3.0]]))
     text = tokenizer.encoding.decode
     expected = [None,
@@ -230,9 +233,10 @@ def test_prompt_logprobs_maps_hold_the_token_then_the_top_k():
                  41: Logprob(-0.2, 2, text([41]))},
                 {20: Logprob(-0.5, 1, text([20])), 42: Logprob(-1.0, 2, text([42]))},
                 {30: Logprob(-3.0, 2, text([30])), 0: Logprob(-0.25, 1, text([0]))}]
-    entries = built.complete()
-    assert entries == expected
-    assert [list(e) for e in entries[1:]] == [list(e) for e in expected[1:]]
+    assert built.complete
+    entries = list(built)
+    assert entries == expected and built == expected
+    assert [list(e) for e in entries[1:]] == [list(e) for e in expected[1:]]  # key order
     assert all(type(lp) is Logprob for e in entries[1:] for lp in e.values())
 
 
