@@ -46,7 +46,8 @@ class Grammars(Protocol):
     # (seq id, None: ready | an error message) for each compile that ended
     def take_compiled(self, timeout: float = 0.0) -> list[tuple[str, str | None]]: ...
 
-    def advance(self, seq_id: str, tokens: list[int]) -> None: ...  # its new output tokens
+    # each sequence's one new output token (a step's constrained rows)
+    def advance(self, seq_ids: list[str], tokens: list[int]) -> None: ...
 
     def request_mask(self, rows: list[str]) -> None: ...  # the constrained rows, in order
 
@@ -250,9 +251,12 @@ class EngineCore:
         every token a constrained request gains (it never has drafts: one token a row), read
         at the `rows` its mask was asked for."""
         constrained, applies = self._constrained, self.scheduler.applies_token
-        for row, seq_id in rows:
-            if seq_id in constrained and applies(step_id, seq_id):
-                self.grammars.advance(seq_id, [result.sampled_token_ids[row]])
+        sampled = result.sampled_token_ids
+        taken = [(seq_id, sampled[row]) for row, seq_id in rows
+                 if seq_id in constrained and applies(step_id, seq_id)]
+        if taken:
+            seq_ids, tokens = zip(*taken)
+            self.grammars.advance(list(seq_ids), list(tokens))
 
     def _release_finished_grammars(self) -> None:
         """Release the matchers of constrained sequences that have ended (the scheduler

@@ -4,7 +4,7 @@ says why not llguidance).
 
     frontend      check(spec)                   a bad spec is the client's 400, before the core
     core add      grammars.submit               compiles off the loop; the sequence waits
-    core apply    .advance(seq, tokens)         the matchers take the step's tokens
+    core apply    .advance(seqs, tokens)        the matchers take the step's tokens
                   .request_mask(rows)           the next step's rows start filling
     before launch .take_mask()                  the mask, and the constraints now complete
     runner        sampler: only a row's allowed tokens can be drawn

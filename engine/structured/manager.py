@@ -73,21 +73,20 @@ class StructuredOutputs:
             results.append((seq_id, None if error is None else str(error)))
         return results
 
-    def advance(self, seq_id: str, tokens: list[int]) -> None:
-        """The sequence's matcher takes these new output tokens. A constraint that completes
-        (or, never expected, refuses a token) is reported by the next take_mask."""
-        matcher = self._matchers.get(seq_id)
-        if matcher is None:
-            return
-        for token in tokens:
-            if matcher.is_terminated():
-                break
+    def advance(self, seq_ids: list[str], tokens: list[int]) -> None:
+        """Each sequence's matcher takes its one new output token (a step's constrained rows:
+        they never have drafts). A constraint that completes (or, never expected, refuses a
+        token) is reported by the next take_mask; a sequence without a matcher is skipped."""
+        matchers = self._matchers
+        for seq_id, token in zip(seq_ids, tokens):
+            matcher = matchers.get(seq_id)
+            if matcher is None or matcher.is_terminated():
+                continue
             if not matcher.accept_token(token):
                 log.warning("sequence %s: its grammar refused token %d; ending it", seq_id, token)
                 self._completed.add(seq_id)
-                return
-        if matcher.is_terminated():
-            self._completed.add(seq_id)
+            elif matcher.is_terminated():
+                self._completed.add(seq_id)
 
     def request_mask(self, rows: list[str], at: list[int] | None = None) -> None:
         """Ask for the mask of these rows (sequence ids, in the step's order), into bitmask

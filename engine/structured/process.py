@@ -207,10 +207,24 @@ class GrammarProcess:
                 self._split = None
         return results
 
-    def advance(self, seq_id: str, tokens: list[int]) -> None:
-        child = self._owner.get(seq_id)
-        if child is not None:
-            child.queue(("advance", seq_id, tokens))
+    def advance(self, seq_ids: list[str], tokens: list[int]) -> None:
+        """StructuredOutputs.advance, one message per owner (the rows of a step's usual split
+        take its shares as they are)."""
+        split = self._split
+        if split is not None and split.rows == seq_ids:
+            shares = ((child, ids, [tokens[i] for i in at])
+                      for child, (ids, at) in split.shares.items())
+        else:
+            by_owner: dict[_Child, tuple[list[str], list[int]]] = {}
+            for seq_id, token in zip(seq_ids, tokens):
+                child = self._owner.get(seq_id)
+                if child is not None:
+                    ids, owned = by_owner.setdefault(child, ([], []))
+                    ids.append(seq_id)
+                    owned.append(token)
+            shares = ((child, ids, owned) for child, (ids, owned) in by_owner.items())
+        for child, ids, owned in shares:
+            child.queue(("advance", ids, owned))
 
     def request_mask(self, rows: list[str]) -> None:
         """Each owner fills its rows; a row whose sequence has no owner (released since it was
