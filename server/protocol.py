@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
     ValidationError
 
 from engine.core.request import MAX_LOGPROBS, SamplingParams
-from engine.output.outputs import TOP_RANKS, FlatPromptLogprobs
+from engine.output.outputs import FlatPromptLogprobs
 from engine.output.tokenizer import Tokenizer, check_token_ids, is_token_list
 from server.structured_outputs import SpecError, StructuredFields, spec_of
 
@@ -510,15 +510,11 @@ PromptLogprobsJSON = list[dict[int, PromptLogprob] | None]
 def prompt_logprobs_json(logprobs: FlatPromptLogprobs) -> PromptLogprobsJSON:
     """The engine's (complete) prompt logprobs as vLLM answers them, logprobs made finite:
     FlatPromptLogprobs' maps, read from its columns."""
-    text = logprobs.token_strings
-    entries: PromptLogprobsJSON = [None]
-    for token, logprob, rank, top_ids, top_logprobs in logprobs.rows():
-        entry = {token: None if token in top_ids
-                 else PromptLogprob(finite_logprob(logprob), rank, text[token])}
-        for top_rank, top, top_logprob in zip(TOP_RANKS, top_ids, top_logprobs):
-            entry[top] = PromptLogprob(finite_logprob(top_logprob), top_rank, text[top])
-        entries.append(entry)
-    return entries
+    return [None, *logprobs.maps(_finite_prompt_logprob)]
+
+
+def _finite_prompt_logprob(logprob: float, rank: int, text: str) -> PromptLogprob:
+    return PromptLogprob(finite_logprob(logprob), rank, text)
 
 
 class Usage(msgspec.Struct):

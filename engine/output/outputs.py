@@ -7,9 +7,10 @@ strings and lists of those, never a cycle: gc=False keeps them out of the collec
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, repeat
+from typing import TypeVar
 
 import msgspec
 
@@ -30,6 +31,7 @@ class Logprob(msgspec.Struct, gc=False):
 # their logprobs, likeliest first)
 PromptLogprobsRow = tuple[int, float, int, list[int], list[float]]
 TOP_RANKS = range(1, MAX_LOGPROBS + 1)  # zip stops at a row's top-k
+Entry = TypeVar("Entry")  # a map's value: Logprob, or the server's JSON entry
 
 
 class FlatPromptLogprobs(Sequence[dict[int, Logprob] | None]):
@@ -37,7 +39,8 @@ class FlatPromptLogprobs(Sequence[dict[int, Logprob] | None]):
     and read as vLLM's list: None at prompt position 0 (nothing precedes it), then per position
     a map from token ids to Logprobs, built only when read: built as the chunks came, a
     position's map and Logprobs cost ~1.8 us on the GPU node's host (0.94 ms for 512 tokens,
-    k=1), and the server never reads them (it reads `rows()`).
+    k=1), and the server never reads them (it builds its JSON entries through `maps`, and
+    echo's through `rows()`).
 
     Invariant: the columns hold positions 1..len(token_logprobs), each once, in order: `add`
     appends a chunk only where it continues them and ends inside the prompt. A position that has
@@ -77,16 +80,23 @@ class FlatPromptLogprobs(Sequence[dict[int, Logprob] | None]):
         return zip(islice(self.prompt_token_ids, 1, None), self.token_logprobs, self.ranks,
                    self.top_token_ids, self.top_logprobs)
 
-    def _maps(self, rows: Iterable[PromptLogprobsRow]) -> Iterator[dict[int, Logprob]]:
-        """vLLM's map of each row: the token's own Logprob first, unless the token is among the
-        top-k: then its key still comes first but holds its top-k Logprob; then the top-k,
+    def maps(self, entry: Callable[[float, int, str], Entry] = Logprob
+             ) -> Iterator[dict[int, Entry]]:
+        """vLLM's map of each arrived position, position 1 first, each value
+        entry(logprob, rank, text) (the server's JSON entries come this way too)."""
+        return self._maps(self.rows(), entry)
+
+    def _maps(self, rows: Iterable[PromptLogprobsRow], entry: Callable[[float, int, str], Entry]
+              ) -> Iterator[dict[int, Entry]]:
+        """vLLM's map of each row: the token's own entry first, unless the token is among the
+        top-k: then its key still comes first but holds its top-k entry; then the top-k,
         ranked 1..k."""
         text = self.token_strings
         for token, logprob, rank, top_ids, top_logprobs in rows:
-            entry = {token: None if token in top_ids else Logprob(logprob, rank, text[token])}
+            row = {token: None if token in top_ids else entry(logprob, rank, text[token])}
             for top_rank, top, top_logprob in zip(TOP_RANKS, top_ids, top_logprobs):
-                entry[top] = Logprob(top_logprob, top_rank, text[top])
-            yield entry
+                row[top] = entry(top_logprob, top_rank, text[top])
+            yield row
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids)
@@ -103,13 +113,14 @@ class FlatPromptLogprobs(Sequence[dict[int, Logprob] | None]):
             return None  # position 0, or not arrived yet
         i = position - 1
         [entry] = self._maps([(self.prompt_token_ids[position], self.token_logprobs[i],
-                               self.ranks[i], self.top_token_ids[i], self.top_logprobs[i])])
+                               self.ranks[i], self.top_token_ids[i], self.top_logprobs[i])],
+                             Logprob)
         return entry
 
     def __iter__(self) -> Iterator[dict[int, Logprob] | None]:
         if self.prompt_token_ids:
             yield None
-        yield from self._maps(self.rows())
+        yield from self.maps()
         yield from repeat(None, len(self) - 1 - len(self.token_logprobs))
 
     def __eq__(self, other: object) -> bool:
