@@ -11,7 +11,9 @@ Sections (--sections, default all):
   prompt-logprobs  TTFT of a 512-token prompt with prompt_logprobs=1 against without
   beam             beam search, 4 beams x 64 tokens, against n = 4 sampling of 64 tokens (and,
                    for scale, n = 4 greedy decoding with the 8 logprobs a beam's step asks for)
-Random token prompts (fresh per run: the prefix cache never helps either side).
+Random token prompts (fresh per run: the prefix cache never helps either side). Each pair's
+ratio is kept beside the host probe taken just before it (bench_utils.host_probe_us): the
+ratios are host-bound, and the node's host changes speed from one pair to the next.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_utils import BENCH_DIR, checkpoint_for, device_info, write_result
+from bench_utils import BENCH_DIR, checkpoint_for, device_info, host_probe_us, write_result
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 
@@ -63,8 +65,9 @@ def bench_structured(llm: LLM, prompts: Prompts, repeats: int = 3) -> dict:
     spec = StructuredOutputsParams(json=SCHEMA)
     # as many streams as timed: every grammar child has started and compiled the schema
     generate(llm, prompts.take(64, 64), SamplingParams(max_tokens=512, structured_outputs=spec))
-    ratios, rates, free_rates, tokens, valid = [], [], [], 0, 0
+    ratios, rates, free_rates, tokens, valid, probes = [], [], [], 0, 0, []
     for _ in range(repeats):  # alternated, so drift hits both alike
+        probes.append(host_probe_us())
         seconds, outs = timed(lambda: generate(llm, prompts.take(64, 64), SamplingParams(
             max_tokens=512, temperature=1.0, structured_outputs=spec)))
         lengths = [len(o.outputs[0].token_ids) for o in outs]
@@ -81,7 +84,8 @@ def bench_structured(llm: LLM, prompts: Prompts, repeats: int = 3) -> dict:
     return {"schema_streams": 64, "repeats": repeats, "output_tokens": tokens,
             "valid_outputs": valid, "constrained_tok_s": statistics.median(rates),
             "free_tok_s": statistics.median(free_rates),
-            "constrained_over_free": statistics.median(ratios), **mixed}
+            "constrained_over_free": statistics.median(ratios), "ratios": ratios,
+            "host_probe_us": probes, **mixed}
 
 
 def _valid(text: str) -> bool:
@@ -98,14 +102,17 @@ def _one_in_eight(llm: LLM, prompts: Prompts, repeats: int = 3) -> dict:
     constrained = SamplingParams(max_tokens=128, temperature=1.0, ignore_eos=True,
                                  structured_outputs=StructuredOutputsParams(regex=LONG_REGEX))
     generate(llm, prompts.take(8, 64), constrained)  # the regex compiled before it is timed
-    none, some = [], []
+    none, some, probes = [], [], []
     for _ in range(repeats):  # alternated, so drift hits both alike
+        probes.append(host_probe_us())
         none.append(timed(lambda: generate(llm, prompts.take(64, 64), free))[0])
         some.append(timed(lambda: generate(llm, prompts.take(64, 64),
                                            [constrained] * 8 + [free] * 56))[0])
     return {"batch64_none_s": statistics.median(none), "batch64_8_constrained_s":
             statistics.median(some),
-            "one_in_eight_over_none": statistics.median(some) / statistics.median(none)}
+            "one_in_eight_over_none": statistics.median(some) / statistics.median(none),
+            "one_in_eight_ratios": [b / a for a, b in zip(none, some)],
+            "one_in_eight_host_probe_us": probes}
 
 
 def bench_compile() -> dict:
@@ -148,16 +155,18 @@ def bench_beam(llm: LLM, prompts: Prompts, repeats: int = 3) -> dict:
     with_logprobs = SamplingParams(n=4, max_tokens=64, temperature=0.0, logprobs=8,
                                    ignore_eos=True)
     llm.beam_search(prompts.take(1, 64), beam)
-    beams, samples, logprobs = [], [], []
+    beams, samples, logprobs, probes = [], [], [], []
     for _ in range(repeats):
         [prompt] = prompts.take(1, 64)
+        probes.append(host_probe_us())
         beams.append(timed(lambda: llm.beam_search([prompt], beam))[0])
         samples.append(timed(lambda: generate(llm, [prompts.take(1, 64)[0]], sampled))[0])
         logprobs.append(timed(lambda: generate(llm, [prompts.take(1, 64)[0]], with_logprobs))[0])
     return {"beam_4x64_s": statistics.median(beams), "n4_sampling_64_s":
             statistics.median(samples),
             "n4_greedy_logprobs8_64_s": statistics.median(logprobs),
-            "beam_over_sampling": statistics.median(beams) / statistics.median(samples)}
+            "beam_over_sampling": statistics.median(beams) / statistics.median(samples),
+            "ratios": [b / s for b, s in zip(beams, samples)], "host_probe_us": probes}
 
 
 SECTIONS = ("structured", "compile", "prompt-logprobs", "beam")

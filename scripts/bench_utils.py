@@ -46,6 +46,32 @@ def device_info() -> dict:
             "torch": torch.__version__}
 
 
+class _ProbeRow:
+    __slots__ = ("key", "value", "next")
+
+    def __init__(self, key: str, value: int, next_value: int) -> None:
+        self.key, self.value, self.next = key, value, next_value
+
+
+def _probe_work(n: int = 1000) -> int:
+    table = {f"r{i}": i for i in range(n)}
+    rows = [_ProbeRow(key, value, value + 1) for key, value in table.items()]
+    return sum(table[row.key] + row.next for row in rows)
+
+
+def host_probe_us(rounds: int = 7) -> float:
+    """Median microseconds of a fixed pure-Python workload (a dict, small objects, a loop: what
+    a step's bookkeeping does) on the CPU this process runs on now. A host-bound ratio moves
+    with it (docs/performance.md, "The node's host"), so the benchmarks record it beside each
+    timed pair."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        _probe_work()
+        times.append((time.perf_counter() - start) * 1e6)
+    return sorted(times)[rounds // 2]
+
+
 def checkpoint_for(model: str) -> str:
     """A named arch without a local copy becomes a random checkpoint under checkpoints/."""
     if model in ARCHS:

@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 
 import torch
-from bench_utils import checkpoint_for
+from bench_utils import checkpoint_for, host_probe_us
 
 from engine import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from engine.beam_search import BeamSearchParams
@@ -179,15 +179,19 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, output_kind=args.output_kind)
     result = {}
     if args.beam:
+        probe = host_probe_us()
         phases = host_phases(llm.engine, 1, greedy, steps=60, beam_width=args.beam)
-        print(args.model, f"beam {args.beam}", json.dumps(phases), flush=True)
+        print(args.model, f"beam {args.beam}", json.dumps(
+            {**phases, "host_probe_us": [probe, host_probe_us()]}), flush=True)
     for batch in ([] if args.beam else batches):
         # first: the graph replays its last step
+        probe = host_probe_us()
         phases = host_phases(llm.engine, batch, greedy, structured=min(args.structured, batch))
         result[f"b{batch}"] = {"graph_replay_ms": round(replay_ms(llm.engine.runner, batch), 4),
                                "graph_kernels": graph_kernels(llm.engine.runner, batch,
                                                               args.kernels),
-                               "host_phases_ms": phases}
+                               "host_phases_ms": phases,
+                               "host_probe_us": [probe, host_probe_us()]}
         print(args.model, batch, json.dumps(result[f"b{batch}"]), flush=True)
     print(args.model, args.output_kind, json.dumps(result), flush=True)
     if args.cprofile:
