@@ -61,8 +61,7 @@ def build_engine_core(config: EngineConfig, runner=None,
     The switch-off decides from `step_times`, timed on a built runner's CUDA device; without
     them every step speculates. Building the runner, the grammars come first: on CUDA their
     child processes spend seconds of CPU importing xgrammar, which then overlap the model's
-    load and graph capture instead of the first requests served; the core waits for them
-    before it returns, so that no import is left to slow the first burst."""
+    load and graph capture instead of the first requests served."""
     if runner is not None:
         return EngineCore(config, runner, build_speculator(config, step_times),
                           build_grammars(config, None))
@@ -72,9 +71,6 @@ def build_engine_core(config: EngineConfig, runner=None,
     try:
         runner = build_runner(config)
         step_times = measured_step_times(config, runner)
-        if isinstance(grammars, GrammarProcess):  # their imports end before the first burst
-            log.info("grammar processes ready (waited %.1f s after the model)",
-                     grammars.wait_ready())
     except BaseException:
         if isinstance(grammars, GrammarProcess):  # its children end with their sockets
             grammars.close()

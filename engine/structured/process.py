@@ -254,17 +254,6 @@ class GrammarProcess:
             self._split = None
             child.queue(("release", seq_id))
 
-    def wait_ready(self) -> float:
-        """Wait until every child has set xgrammar up (a child answers its first message only
-        after that: `serve`), so that their imports, seconds of CPU each, are over before the
-        engine serves; the seconds waited. A child that died is a RuntimeError."""
-        start = time.perf_counter()
-        for child in self._children:
-            child.send(("ready",))
-        for child in self._children:
-            child.reply("ready")
-        return time.perf_counter() - start
-
     def close(self) -> None:
         """Stop the children (each exits when its socket closes) and unpin the mask."""
         self._close()
@@ -398,8 +387,6 @@ def _handle(answer, grammars: StructuredOutputs, message: tuple) -> None:
         elif kind == "mask":
             grammars.request_mask(*args)
             answer(kind, grammars.take_mask()[1])
-        elif kind == "ready":
-            answer(kind, None)
         else:
             raise ValueError(f"unknown message {kind!r}")
     except Exception as exc:

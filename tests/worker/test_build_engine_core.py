@@ -1,6 +1,5 @@
 """build_engine_core starts the grammars before it builds the runner (their processes import
-xgrammar while the model loads), waits for them to be ready after it, and closes them when
-the runner cannot be built."""
+xgrammar while the model loads), and closes them when the runner cannot be built."""
 import pytest
 
 import engine.build as build
@@ -14,10 +13,6 @@ class _RecordedGrammarProcess(GrammarProcess):
 
     def close(self) -> None:
         self.calls.append("grammars closed")
-
-    def wait_ready(self) -> float:
-        self.calls.append("grammars ready")
-        return 0.0
 
 
 def _record_build(monkeypatch, calls: list, runner_error: Exception | None = None):
@@ -38,11 +33,11 @@ def _record_build(monkeypatch, calls: list, runner_error: Exception | None = Non
                         (runner, grammars))
 
 
-def test_the_grammars_start_before_the_runner_is_built_and_are_ready_after_it(monkeypatch):
+def test_the_grammars_start_before_the_runner_is_built(monkeypatch):
     calls = []
     _record_build(monkeypatch, calls)
     runner, grammars = build.build_engine_core(EngineConfig.from_flat(device="cpu"))
-    assert calls == ["grammars on cpu", "runner", "grammars ready"]
+    assert calls == ["grammars on cpu", "runner"]
     assert runner == "runner" and grammars.calls is calls
 
 

@@ -4,7 +4,6 @@ children, and a clear error when a child dies; whether its batches travel throug
 mailboxes (spinning children) or their sockets, in order either way."""
 import os
 import signal
-import threading
 
 import numpy as np
 import pytest
@@ -107,28 +106,6 @@ def test_closing_kills_a_child_that_does_not_exit(monkeypatch):
     grammars.close()
     with pytest.raises(ProcessLookupError):
         os.kill(grammars.pids[0], 0)
-
-
-def test_ready_waits_for_every_child_and_a_dead_one_is_a_clear_error():
-    """wait_ready returns once each child answers, which it does only after setting xgrammar
-    up: a child stopped (as one still importing would be) holds it back until it goes on."""
-    grammars = GrammarProcess(max_rows=1, num_children=2)
-    os.kill(grammars.pids[1], signal.SIGSTOP)
-    waited = []
-    thread = threading.Thread(target=lambda: waited.append(grammars.wait_ready()))
-    thread.start()
-    thread.join(1.0)
-    assert thread.is_alive() and not waited
-    os.kill(grammars.pids[1], signal.SIGCONT)
-    thread.join(60)
-    assert waited and waited[0] >= 1.0
-    grammars.submit("a", SPECS["choice"])  # the children serve on after it
-    assert compiled(grammars, 1) == [("a", None)]
-    grammars.close()
-    dead = GrammarProcess(max_rows=1)
-    os.kill(dead.pids[0], signal.SIGKILL)
-    with pytest.raises(RuntimeError, match="grammar process"):
-        dead.wait_ready()
 
 
 def test_a_new_spec_compiles_in_every_child_at_once(monkeypatch):
