@@ -21,7 +21,9 @@ PLACEHOLDER_TOKEN in step N+1 (`prev_sample_row`: its row in N's samples), only 
 cannot end it by length, no penalty needs it, and it may not speculate; if the token ends it
 anyway, update drops N+1's work for it. A request that may speculate waits instead, and
 `apply_before_next` tells EngineCore to apply N before scheduling N+1. Drafts and lookahead
-blocks: docs/speculative.md, 3, 4, 8.
+blocks: docs/speculative.md, 3, 4, 8. When every running request decodes ahead (the steady
+decode step), `_decode_all_ahead` schedules them in one tight pass and update applies them in
+another (`_apply_ahead`), without the general loop's calls per row.
 
 A beam search (engine/core/beam.py) runs its live beams as requests whose sampled token is
 ignored: update hands each beam's logprobs to its group, and once every live beam has
@@ -82,11 +84,12 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
 class _StepDraft:
     """The step schedule() is building, row by row."""
     __slots__ = ("now", "sequences", "requests", "sample_rows", "num_tokens", "num_drafts",
-                 "apply_first", "prompt_logprobs")
+                 "apply_first", "prompt_logprobs", "ahead")
 
     def __init__(self, now: float) -> None:
         self.now = now
         self.sequences: list[ScheduledSequence] = []
+        self.ahead: list[Request] = []  # the requests of its first rows, if _decode_all_ahead's
         self.requests: dict[str, Request] = {}  # by id: update applies to these very requests
         self.sample_rows: dict[str, int] = {}  # request id -> its row in the step's samples
         self.num_tokens = 0
@@ -110,6 +113,7 @@ class Scheduler:
         self._step: _StepDraft | None = None  # the step schedule() is building
         self._step_id = 0
         self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
+        self._step_ahead: dict[int, list[Request]] = {}  # step id -> its _decode_all_ahead rows'
         self._sample_rows: dict[str, int] = {}  # request id -> its row in the last step's samples
         self.beam_searches: dict[str, BeamGroup] = {}  # by group id, until they end
         self.finished_beam_searches: list[BeamGroup] = []  # ended, for EngineCore to report
@@ -194,6 +198,8 @@ class Scheduler:
         self._step_id += 1
         if step.sequences:
             self._step_requests[self._step_id] = step.requests
+        if step.ahead:
+            self._step_ahead[self._step_id] = step.ahead
         return SchedulerOutput(sequences=step.sequences, preempted_ids=preempted,
                                step_id=self._step_id, num_draft_tokens=step.num_drafts,
                                apply_before_next=step.apply_first,
@@ -224,7 +230,7 @@ class Scheduler:
     def _add_decode_ahead(self, request: Request, start: int) -> None:
         """_add_to_step for a request decoding ahead of the step in flight (start ==
         num_tokens): its one new token is that step's sample, a placeholder, and it samples
-        the next. The hot path of a decode step: one row per running sequence."""
+        the next. A steady decode step's rows take _decode_all_ahead instead."""
         step, request_id = self._step, request.request_id
         step.sequences.append(ScheduledSequence(
             request_id, [PLACEHOLDER_TOKEN], start, self.block_manager.block_ids(request_id),
@@ -244,9 +250,52 @@ class Scheduler:
                 and not request.params.needs_output_tokens
                 and not (self.speculator and self.speculator.may_speculate(request)))
 
+    def _decode_all_ahead(self) -> bool:
+        """The steady decode step, without the general loop's per-row calls: if every running
+        request's next token is in flight and it may decode ahead of it (no speculator, no
+        beam search), each gets its placeholder row, as _schedule_running would give it one
+        row at a time, and True. Blocks are asked for only where a row starts one; if one
+        cannot be had, nothing is scheduled and False leaves the step to the general loop,
+        which preempts for it (the rows grown here keep their blocks: growing is idempotent,
+        and the loop grows the same rows in the same order)."""
+        running, block_size = self.running, self.block_manager.block_size
+        if self.speculator is not None or self._beam_of or not running:
+            return False
+        starting_a_block = []
+        for request in running:
+            computed = request.num_computed_tokens + request.num_pending_tokens
+            if not (request.num_pending_samples and computed == request.num_tokens
+                    and computed + 1 < request.max_num_tokens
+                    and not request.params.needs_output_tokens):
+                return False
+            if not computed % block_size:
+                starting_a_block.append(request)
+        grow = self.block_manager.grow
+        if not all(grow(r.request_id, r.num_tokens + 1) for r in starting_a_block):
+            return False
+        step, block_ids, last_rows = self._step, self.block_manager.block_ids, self._sample_rows
+        sequences, sample_rows, requests = step.sequences, step.sample_rows, step.requests
+        row = len(sample_rows)
+        for request in running:
+            request_id = request.request_id
+            sequences.append(ScheduledSequence(  # as _add_decode_ahead's
+                request_id, [PLACEHOLDER_TOKEN], request.num_tokens, block_ids(request_id),
+                True, request.params, (), (), request.num_output_tokens + 1,
+                last_rows[request_id]))
+            request.num_pending_tokens += 1
+            request.num_pending_samples += 1
+            sample_rows[request_id] = row
+            requests[request_id] = request
+            row += 1
+        step.num_tokens += len(running)
+        step.ahead = running.copy()
+        return True
+
     def _schedule_running(self, budget: int, preempted: list[str]) -> int:
         """Victims come from the tail of `running`, never before i, so no request scheduled
         here is preempted afterwards."""
+        if len(self.running) <= budget and self._decode_all_ahead():
+            return budget - len(self.running)
         i, running, block_size = 0, self.running, self.block_manager.block_size
         while i < len(running) and budget > 0:
             request = running[i]
@@ -399,7 +448,10 @@ class Scheduler:
         accepted = (dict(zip(output.request_ids, output.accepted_drafts))
                     if scheduled.num_draft_tokens else {})
         changed, reports, beams = [], [], self._beam_of
-        for seq in scheduled.sequences:
+        ahead = self._step_ahead.pop(scheduled.step_id, ())
+        if ahead:
+            self._apply_ahead(ahead, output.sampled_token_ids, now, changed)
+        for seq in scheduled.sequences[len(ahead):]:
             request_id = seq.request_id
             request = requests[request_id]  # the very request scheduled (ids may be reused)
             if request.status is not RequestStatus.RUNNING:
@@ -422,6 +474,28 @@ class Scheduler:
         if reports:
             self._report_beams(reports, output, now)
         return changed
+
+    def _apply_ahead(self, ahead: list[Request], tokens: list[int], now: float,
+                     changed: list[Request]) -> None:
+        """update() for a step's first rows, those _decode_all_ahead scheduled (its first
+        samples, in order): the decode fast path below (_computed, then _append), inlined."""
+        block_size = self.block_manager.block_size
+        for request, token in zip(ahead, tokens):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished or preempted since it was scheduled
+            request.num_pending_tokens -= 1
+            request.num_pending_samples -= 1
+            request.num_computed_tokens += 1
+            if not request.num_computed_tokens % block_size:
+                self._cache_full_blocks(request)  # a block boundary passed
+            request.append_output_token(token)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            changed.append(request)
+            if token in request.params.stop_token_set or (
+                    request.num_tokens >= request.max_num_tokens):
+                self._check_stop(request, token)
 
     def _apply_described(self, request: Request, seq: ScheduledSequence,
                          sampled: dict[str, int], accepted: dict[str, list[int]],

@@ -17,9 +17,9 @@ from engine.core.request import SamplingParams
 
 CORE_DIR = str(Path(engine.core.__file__).parent)
 # bytecodes per sequence per decode step of EngineCore.step with nothing but one new token per
-# sequence; 347 when this bound was set (592 before the decode fast paths, 468 before the
-# decode-ahead row): the margin is for harmless edits
-MAX_OPCODES_PER_SEQUENCE = 380
+# sequence; 253 when this bound was set (592 before the decode fast paths, 468 before the
+# decode-ahead row, 357 before the steady decode step): the margin is for harmless edits
+MAX_OPCODES_PER_SEQUENCE = 280
 
 
 def opcodes_per_sequence(batch: int, steps: int = 8) -> float:
