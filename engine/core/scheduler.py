@@ -89,7 +89,7 @@ class _StepDraft:
     def __init__(self, now: float) -> None:
         self.now = now
         self.sequences: list[ScheduledSequence] = []
-        self.ahead: list[Request] = []  # the requests of its first rows, if _decode_all_ahead's
+        self.ahead: list[Request] = []  # its first rows' requests, if _decode_all_ahead's rows
         self.requests: dict[str, Request] = {}  # by id: update applies to these very requests
         self.sample_rows: dict[str, int] = {}  # request id -> its row in the step's samples
         self.num_tokens = 0
@@ -113,7 +113,7 @@ class Scheduler:
         self._step: _StepDraft | None = None  # the step schedule() is building
         self._step_id = 0
         self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
-        self._step_ahead: dict[int, list[Request]] = {}  # step id -> its _decode_all_ahead rows'
+        self._step_ahead: dict[int, list[Request]] = {}  # step id -> _decode_all_ahead's rows
         self._sample_rows: dict[str, int] = {}  # request id -> its row in the last step's samples
         self.beam_searches: dict[str, BeamGroup] = {}  # by group id, until they end
         self.finished_beam_searches: list[BeamGroup] = []  # ended, for EngineCore to report
