@@ -227,20 +227,26 @@ class Scheduler:
         step.sequences.append(seq)
         step.requests[request_id] = request
 
-    def _add_decode_ahead(self, request: Request, start: int) -> None:
-        """_add_to_step for a request decoding ahead of the step in flight (start ==
-        num_tokens): its one new token is that step's sample, a placeholder, and it samples
-        the next. A steady decode step's rows take _decode_all_ahead instead."""
-        step, request_id = self._step, request.request_id
-        step.sequences.append(ScheduledSequence(
-            request_id, [PLACEHOLDER_TOKEN], start, self.block_manager.block_ids(request_id),
-            True, request.params, (), (), request.num_output_tokens + 1,
-            self._sample_rows[request_id]))
-        request.num_pending_tokens += 1
-        request.num_pending_samples += 1
-        step.num_tokens += 1
-        step.sample_rows[request_id] = len(step.sample_rows)
-        step.requests[request_id] = request
+    def _add_decode_ahead(self, requests: list[Request]) -> None:
+        """_add_to_step for requests decoding ahead of the step in flight (each at start ==
+        num_tokens): a request's one new token is that step's sample, a placeholder, and it
+        samples the next. One loop for a list, since a steady decode step adds every running
+        request here (_decode_all_ahead)."""
+        step, block_ids, last_rows = self._step, self.block_manager.block_ids, self._sample_rows
+        sequences, sample_rows, step_requests = step.sequences, step.sample_rows, step.requests
+        row = len(sample_rows)
+        for request in requests:
+            request_id = request.request_id
+            sequences.append(ScheduledSequence(
+                request_id, [PLACEHOLDER_TOKEN], request.num_tokens, block_ids(request_id),
+                True, request.params, (), (), request.num_output_tokens + 1,
+                last_rows[request_id]))
+            request.num_pending_tokens += 1
+            request.num_pending_samples += 1
+            sample_rows[request_id] = row
+            step_requests[request_id] = request
+            row += 1
+        step.num_tokens += len(requests)
 
     def _may_run_ahead(self, request: Request) -> bool:
         """Its pending token cannot end it by length, this step need not read it (penalties,
@@ -273,22 +279,8 @@ class Scheduler:
         grow = self.block_manager.grow
         if not all(grow(r.request_id, r.num_tokens + 1) for r in starting_a_block):
             return False
-        step, block_ids, last_rows = self._step, self.block_manager.block_ids, self._sample_rows
-        sequences, sample_rows, requests = step.sequences, step.sample_rows, step.requests
-        row = len(sample_rows)
-        for request in running:
-            request_id = request.request_id
-            sequences.append(ScheduledSequence(  # as _add_decode_ahead's
-                request_id, [PLACEHOLDER_TOKEN], request.num_tokens, block_ids(request_id),
-                True, request.params, (), (), request.num_output_tokens + 1,
-                last_rows[request_id]))
-            request.num_pending_tokens += 1
-            request.num_pending_samples += 1
-            sample_rows[request_id] = row
-            requests[request_id] = request
-            row += 1
-        step.num_tokens += len(running)
-        step.ahead = running.copy()
+        self._add_decode_ahead(running)
+        self._step.ahead = running.copy()
         return True
 
     def _schedule_running(self, budget: int, preempted: list[str]) -> int:
@@ -306,7 +298,7 @@ class Scheduler:
                 if self._may_run_ahead(request) and (
                         computed % block_size or self._grow(i, request, computed + 1, [],
                                                             preempted)):
-                    self._add_decode_ahead(request, computed)
+                    self._add_decode_ahead([request])
                     budget -= 1
                 i += 1
                 continue
@@ -478,24 +470,15 @@ class Scheduler:
     def _apply_ahead(self, ahead: list[Request], tokens: list[int], now: float,
                      changed: list[Request]) -> None:
         """update() for a step's first rows, those _decode_all_ahead scheduled (its first
-        samples, in order): the decode fast path below (_computed, then _append), inlined."""
-        block_size = self.block_manager.block_size
+        samples, in order): the decode fast path below, without its checks per row."""
         for request, token in zip(ahead, tokens):
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
             request.num_pending_tokens -= 1
             request.num_pending_samples -= 1
-            request.num_computed_tokens += 1
-            if not request.num_computed_tokens % block_size:
-                self._cache_full_blocks(request)  # a block boundary passed
-            request.append_output_token(token)
-            request.token_times.append(now)
-            if request.first_token_time is None:
-                request.first_token_time = now
+            self._computed(request, 1)
+            self._append(request, token, now)
             changed.append(request)
-            if token in request.params.stop_token_set or (
-                    request.num_tokens >= request.max_num_tokens):
-                self._check_stop(request, token)
 
     def _apply_described(self, request: Request, seq: ScheduledSequence,
                          sampled: dict[str, int], accepted: dict[str, list[int]],

@@ -17,7 +17,7 @@ from engine.core.request import SamplingParams
 
 CORE_DIR = str(Path(engine.core.__file__).parent)
 # bytecodes per sequence per decode step of EngineCore.step with nothing but one new token per
-# sequence; 253 when this bound was set (592 before the decode fast paths, 468 before the
+# sequence; 276 when this bound was set (592 before the decode fast paths, 468 before the
 # decode-ahead row, 357 before the steady decode step): the margin is for harmless edits
 MAX_OPCODES_PER_SEQUENCE = 280
 
