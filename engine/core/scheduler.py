@@ -22,8 +22,8 @@ cannot end it by length, no penalty needs it, and it may not speculate; if the t
 anyway, update drops N+1's work for it. A request that may speculate waits instead, and
 `apply_before_next` tells EngineCore to apply N before scheduling N+1. Drafts and lookahead
 blocks: docs/speculative.md, 3, 4, 8. When every running request decodes ahead (the steady
-decode step), `_decode_all_ahead` schedules them in one tight pass and update applies them in
-another (`_apply_ahead`), without the general loop's calls per row.
+decode step), `_decode_all_ahead` schedules them and update applies them (`_apply_ahead`)
+without the general loop's checks per row.
 
 A beam search (engine/core/beam.py) runs its live beams as requests whose sampled token is
 ignored: update hands each beam's logprobs to its group, and once every live beam has
@@ -257,7 +257,7 @@ class Scheduler:
                 and not (self.speculator and self.speculator.may_speculate(request)))
 
     def _decode_all_ahead(self) -> bool:
-        """The steady decode step, without the general loop's per-row calls: if every running
+        """The steady decode step, without the general loop's checks per row: if every running
         request's next token is in flight and it may decode ahead of it (no speculator, no
         beam search), each gets its placeholder row, as _schedule_running would give it one
         row at a time, and True. Blocks are asked for only where a row starts one; if one
