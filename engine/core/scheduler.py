@@ -470,7 +470,7 @@ class Scheduler:
     def _apply_ahead(self, ahead: list[Request], tokens: list[int], now: float,
                      changed: list[Request]) -> None:
         """update() for a step's first rows, those _decode_all_ahead scheduled (its first
-        samples, in order): the decode fast path below, without its checks per row."""
+        samples, in order): update's one-token decode path, without its checks per row."""
         for request, token in zip(ahead, tokens):
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
