@@ -20,10 +20,12 @@ from bench_offline import random_prompts
 from profile_decode import host_phases
 
 from engine import LLMEngine, SamplingParams
-from engine.core.batch import RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprobs
+from engine.core.batch import (RunnerOutput, ScheduledSequence, SchedulerOutput, StepRows,
+                               TokenLogprobs)
 from engine.core.config import EngineConfig
-from engine.worker.cuda_graphs import (DecodeStager, MixedStager, decode_meta_layout,
-                                       mixed_capture_sizes, mixed_meta_layout)
+from engine.worker.cuda_graphs import (Continued, DecodeStager, MixedStager,
+                                       decode_meta_layout, mixed_capture_sizes,
+                                       mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 from engine.worker.inputs import is_decode_step, prepare_host_inputs
 from engine.worker.model_runner import PlainDecode, continues_plain_decode
@@ -36,8 +38,9 @@ PHASES = ("schedule", "launch", "update", "outputs", "step_total")
 class NoOpRunner:
     """Launch does the real runner's host work for a step (placeholder sources, draw seeds,
     the step's host inputs staged into arrays shaped like the CUDA graphs' pinned buffers,
-    two decode mirrors taking turns; a decode step that continues the last one by row index
-    staged as ModelRunner._launch_plain_decode stages it) and samples at once: a token that
+    two decode mirrors taking turns; a decode step that continues the last one by row index,
+    or is sent as a continuation, staged as ModelRunner._launch_plain_decode stages it) and
+    samples at once: a token that
     changes with the step and the row, so detokenization sees varied text, and the logprobs
     of rows that ask for them (a beam's step: its top 2B)."""
 
@@ -60,19 +63,25 @@ class NoOpRunner:
         self._steps = 0
         self._decode_steps = 0
         self._plain_decode: PlainDecode | None = None
+        self._step_rows = StepRows()
 
     def launch(self, out: SchedulerOutput) -> SimpleNamespace:
+        last, self._plain_decode = self._plain_decode, None
+        max_batch = len(self.decode_stagers[0].meta.seq_lens)
+        if out.continued is not None and continues_plain_decode(last, out, None, max_batch):
+            self._step_rows.skip(out)
+            blocks = dict(out.continued.new_blocks)
+            ids = out.continued.request_ids
+            self._continue(last, out, Continued(np.arange(len(ids)),
+                                                lambda row, table: table + (blocks[row],)))
+            return self._sampled(ids, [])
+        out = self._step_rows.full(out)
         seqs = out.sequences
         sources = [s.prev_sample_row for s in seqs]
-        last, self._plain_decode = self._plain_decode, None
-        if continues_plain_decode(last, out, sources, len(self.decode_stagers[0].meta.seq_lens)):
-            to_sample, src = seqs, np.array(sources, dtype=np.int64)
-            draw_inputs, seeded = self.sampler.continued_draw_inputs(seqs, src, last.temperature,
-                                                                      last.seeded)
-            self._next_decode_stager().write_continued(seqs, len(seqs), sources, src,
-                                                       draw_inputs)
-            self._plain_decode = PlainDecode(out.step_id, draw_inputs[0], seeded,
-                                             last.constrained[src])
+        if continues_plain_decode(last, out, sources, max_batch):
+            to_sample = seqs
+            self._continue(last, out, Continued(np.array(sources, dtype=np.int64),
+                                                lambda row, table: seqs[row].block_ids))
         elif is_decode_step(seqs):
             to_sample = seqs
             draw_inputs = self.sampler.draw_inputs(to_sample)
@@ -86,10 +95,21 @@ class NoOpRunner:
             size = next(s for s in self.mixed_sizes if s >= len(host.token_ids))
             self.mixed_stager.write(host, sources, draw_inputs, size,
                                     min(size, len(self.decode_stagers[0].meta.seq_lens)))
-        ids = [s.request_id for s in to_sample]
+        return self._sampled([s.request_id for s in to_sample], to_sample)
+
+    def _continue(self, last: PlainDecode, out: SchedulerOutput, continued: Continued) -> None:
+        plain = last.continued(out.step_id, continued.src)
+        draw_inputs = self.sampler.continued_draw_inputs(plain.temperature, plain.seeded,
+                                                         plain.seeds, plain.num_outputs)
+        self._next_decode_stager().write_continued(len(continued.src), continued, draw_inputs)
+        self._plain_decode = plain
+
+    def _sampled(self, ids: list[str], to_sample: list[ScheduledSequence]) -> SimpleNamespace:
+        """The step's tokens (and logprobs of `to_sample`'s rows that ask: none if empty)."""
         self._steps += 1
         tokens = [(self._steps * 7919 + row) % 50000 for row in range(len(ids))]
-        output = RunnerOutput(ids, tokens, self._logprobs(to_sample, tokens))
+        logprobs = self._logprobs(to_sample, tokens) if to_sample else [None] * len(ids)
+        output = RunnerOutput(ids, tokens, logprobs)
         return SimpleNamespace(wait=lambda: output)  # a pending step, nothing to wait for
 
     def _logprobs(self, to_sample: list[ScheduledSequence],

@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from engine.core.batch import PLACEHOLDER_TOKEN, RunnerOutput, SchedulerOutput
+from engine.core.batch import PLACEHOLDER_TOKEN, RunnerOutput, SchedulerOutput, StepRows
 from engine.core.messages import AddSequences
 from engine.speculative.proposer import DraftContext
 
@@ -82,15 +82,17 @@ class PipelinedFakeRunner(FakeRunner):
     """Runs each step at launch; a placeholder token becomes the token in row
     prev_sample_row of what the previous launch (step step_id - 1) sampled, as the real runner
     reads it from the device. A wrong row gives a wrong token, so outputs differ from the
-    reference."""
+    reference. A continued step (SchedulerOutput.continued) runs as its expanded rows."""
 
     def __init__(self, num_blocks: int, block_size: int):
         super().__init__(num_blocks, block_size)
         self.num_kv_blocks = num_blocks
         self.last: tuple[int, list[int]] | None = None  # (step id, sampled tokens)
         self.placeholders_filled = 0
+        self.step_rows = StepRows()
 
     def launch(self, out: SchedulerOutput) -> CompletedStep:
+        out = self.step_rows.full(out)
         resolved = []
         for seq in out.sequences:
             assert (seq.prev_sample_row >= 0) == (seq.token_ids == [PLACEHOLDER_TOKEN])

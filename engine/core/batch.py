@@ -11,7 +11,7 @@ runner. Block layout of one sequence (block_size 4, 10 tokens computed, 3 new: 1
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.core.request import SamplingParams
@@ -61,6 +61,27 @@ UNFILLED_DRAFT = -2  # a draft slot the draft model fills on the device
 
 
 @dataclass(frozen=True)
+class DecodeContinuation:
+    """A steady decode step sent as what changed: its rows are the rows of the step before
+    it (step_id - 1), in their order, a step whose every row sampled one token; each decodes
+    that token (a placeholder, prev_sample_row = its row) one position further. The rows
+    whose new position starts a block append the block of `new_blocks` (row, block id).
+    Per-row work to build or read it: those rows only (`request_ids` is the step before's)."""
+    request_ids: list[str]
+    new_blocks: tuple[tuple[int, int], ...] = ()
+
+    def expand(self, last: list[ScheduledSequence]) -> list[ScheduledSequence]:
+        """The rows in full, given the step before's."""
+        rows = [ScheduledSequence(s.request_id, [PLACEHOLDER_TOKEN], s.start_position + 1,
+                                  s.block_ids, True, s.params, (), (),
+                                  s.num_output_tokens + 1, i)
+                for i, s in enumerate(last)]
+        for row, block_id in self.new_blocks:
+            rows[row].block_ids = rows[row].block_ids + (block_id,)
+        return rows
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """One step. A sequence with prev_sample_row r takes its one new token from row r of the
     sampled tokens of step `step_id - 1` (the step launched just before, maybe still on the
@@ -81,15 +102,43 @@ class SchedulerOutput:
     # (src, dst) block pairs: before the forward, block dst of every layer's K and V becomes a
     # copy of block src (a forked beam's copy of its parent's partial last block)
     block_copies: tuple[tuple[int, int], ...] = ()
+    # set: the step's rows are this continuation of the step before's, and `sequences` is
+    # empty (StepRows gives them in full)
+    continued: DecodeContinuation | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
-            object.__setattr__(self, "num_tokens",
-                               sum(len(s.token_ids) for s in self.sequences))
+            num_tokens = (len(self.continued.request_ids) if self.continued is not None
+                          else sum(len(s.token_ids) for s in self.sequences))
+            object.__setattr__(self, "num_tokens", num_tokens)
 
     @property
     def is_empty(self) -> bool:
-        return not self.sequences
+        return not self.sequences and self.continued is None
+
+
+class StepRows:
+    """The rows of the last step a consumer of SchedulerOutputs was given, so that a
+    continued step (SchedulerOutput.continued) reads in full. Give it every step, in order:
+    `full` for a step whose rows it reads, `skip` for a continued one it acts on without them
+    (after which the next continued step cannot be expanded: it must be skipped too)."""
+
+    def __init__(self) -> None:
+        self._step_id = -1
+        self._rows: list[ScheduledSequence] | None = None  # None: not read (skipped)
+
+    def full(self, out: SchedulerOutput) -> SchedulerOutput:
+        """`out`, with a continuation expanded into its `sequences`."""
+        if out.continued is not None:
+            if self._step_id != out.step_id - 1 or self._rows is None:
+                raise RuntimeError(f"step {out.step_id} continues a step whose rows this "
+                                   "consumer did not read")
+            out = replace(out, sequences=out.continued.expand(self._rows), continued=None)
+        self._step_id, self._rows = out.step_id, out.sequences
+        return out
+
+    def skip(self, out: SchedulerOutput) -> None:
+        self._step_id, self._rows = out.step_id, None
 
 
 @dataclass(frozen=True)

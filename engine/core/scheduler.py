@@ -37,8 +37,8 @@ import bisect
 import time
 from typing import Protocol
 
-from engine.core.batch import (PLACEHOLDER_TOKEN, PromptLogprobsJob, RunnerOutput,
-                               ScheduledSequence, SchedulerOutput)
+from engine.core.batch import (PLACEHOLDER_TOKEN, DecodeContinuation, PromptLogprobsJob,
+                               RunnerOutput, ScheduledSequence, SchedulerOutput)
 from engine.core.beam import BeamGroup, check_search_fits, reserved_blocks
 from engine.core.block_manager import BlockManager
 from engine.core.config import SchedulerConfig
@@ -84,7 +84,7 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
 class _StepDraft:
     """The step schedule() is building, row by row."""
     __slots__ = ("now", "sequences", "requests", "sample_rows", "num_tokens", "num_drafts",
-                 "apply_first", "prompt_logprobs", "ahead")
+                 "apply_first", "prompt_logprobs", "ahead", "continued")
 
     def __init__(self, now: float) -> None:
         self.now = now
@@ -96,6 +96,7 @@ class _StepDraft:
         self.num_drafts = 0
         self.apply_first = False  # a sampling request may speculate
         self.prompt_logprobs = False  # some sequence has a PromptLogprobsJob
+        self.continued: DecodeContinuation | None = None  # its rows, sent as what changed
 
 
 class Scheduler:
@@ -115,6 +116,10 @@ class Scheduler:
         self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
         self._step_ahead: dict[int, list[Request]] = {}  # step id -> _decode_all_ahead's rows
         self._sample_rows: dict[str, int] = {}  # request id -> its row in the last step's samples
+        # the last step, if _decode_all_ahead's rows were the whole of it and none has
+        # structured outputs: its rows (requests, by identity) and its requests by id
+        self._run: list[Request] | None = None
+        self._run_requests: dict[str, Request] = {}
         self.beam_searches: dict[str, BeamGroup] = {}  # by group id, until they end
         self.finished_beam_searches: list[BeamGroup] = []  # ended, for EngineCore to report
         self._beam_of: dict[str, BeamGroup] = {}  # live beam id -> its group; empty: no search
@@ -196,15 +201,28 @@ class Scheduler:
                 copies, self._block_copies = tuple(self._block_copies), []
         self._sample_rows = step.sample_rows
         self._step_id += 1
-        if step.sequences:
+        if step.sequences or step.continued:
             self._step_requests[self._step_id] = step.requests
         if step.ahead:
             self._step_ahead[self._step_id] = step.ahead
+        self._note_run(step)
         return SchedulerOutput(sequences=step.sequences, preempted_ids=preempted,
                                step_id=self._step_id, num_draft_tokens=step.num_drafts,
                                apply_before_next=step.apply_first,
                                has_prompt_logprobs=step.prompt_logprobs,
-                               num_tokens=step.num_tokens, block_copies=copies)
+                               num_tokens=step.num_tokens, block_copies=copies,
+                               continued=step.continued)
+
+    def _note_run(self, step: _StepDraft) -> None:
+        """Keep the step's rows for the next step to continue (_decode_all_ahead), if they
+        were _decode_all_ahead's alone and none has structured outputs (whose masked draws
+        read their rows)."""
+        if step.continued is None and not (
+                step.ahead and len(step.sequences) == len(step.ahead)
+                and all(r.params.structured_outputs is None for r in step.ahead)):
+            self._run = None
+            return
+        self._run, self._run_requests = step.ahead, step.requests
 
     def _add_to_step(self, request: Request, start: int, num_new: int,
                      drafts: list[int]) -> None:
@@ -264,24 +282,43 @@ class Scheduler:
         cannot be had, nothing is scheduled and False leaves the step to the general loop,
         which preempts for it (the rows grown here keep their blocks: growing is idempotent,
         and the loop grows the same rows in the same order)."""
-        running, block_size = self.running, self.block_manager.block_size
+        running, block_manager = self.running, self.block_manager
         if self.speculator is not None or self._beam_of or not running:
             return False
-        starting_a_block = []
-        for request in running:
+        starting_a_block, block_size = [], block_manager.block_size
+        for row, request in enumerate(running):
             computed = request.num_computed_tokens + request.num_pending_tokens
             if not (request.num_pending_samples and computed == request.num_tokens
                     and computed + 1 < request.max_num_tokens
                     and not request.params.needs_output_tokens):
                 return False
             if not computed % block_size:
-                starting_a_block.append(request)
-        grow = self.block_manager.grow
-        if not all(grow(r.request_id, r.num_tokens + 1) for r in starting_a_block):
+                starting_a_block.append(row)
+        grow = block_manager.grow
+        if not all(grow(running[row].request_id, running[row].num_tokens + 1)
+                   for row in starting_a_block):
             return False
-        self._add_decode_ahead(running)
+        if running == self._run and (not self.waiting
+                                     or len(running) >= self.config.max_num_seqs):
+            block_ids = block_manager.block_ids
+            self._continue_run([(row, block_ids(running[row].request_id)[-1])
+                                for row in starting_a_block])
+        else:
+            self._add_decode_ahead(running)
         self._step.ahead = running.copy()
         return True
+
+    def _continue_run(self, new_blocks: list[tuple[int, int]]) -> None:
+        """_add_decode_ahead for the rows of the step before, in its order (`running` is
+        self._run, and no request can be admitted after them), sent as what changed
+        (DecodeContinuation): they keep their rows, and only `new_blocks` are new."""
+        step, running = self._step, self._run
+        for request in running:
+            request.num_pending_tokens += 1
+            request.num_pending_samples += 1
+        step.requests, step.sample_rows = self._run_requests, self._sample_rows
+        step.num_tokens += len(running)
+        step.continued = DecodeContinuation(list(self._sample_rows), tuple(new_blocks))
 
     def _schedule_running(self, budget: int, preempted: list[str]) -> int:
         """Victims come from the tail of `running`, never before i, so no request scheduled
@@ -470,14 +507,27 @@ class Scheduler:
     def _apply_ahead(self, ahead: list[Request], tokens: list[int], now: float,
                      changed: list[Request]) -> None:
         """update() for a step's first rows, those _decode_all_ahead scheduled (its first
-        samples, in order): update's one-token decode path, without its checks per row."""
+        samples, in order): update's one-token decode path (_computed, then _append) without
+        its checks per row, and inlined, calling out only past a block boundary, at a stop
+        token or at the length bound. A row's token is never its first (the step before
+        sampled one, applied by now), so first_token_time is set. Held to the general path
+        by tests/core/test_decode_all_ahead.py."""
+        block_size, running = self.block_manager.block_size, RequestStatus.RUNNING
         for request, token in zip(ahead, tokens):
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # finished or preempted since it was scheduled
             request.num_pending_tokens -= 1
             request.num_pending_samples -= 1
-            self._computed(request, 1)
-            self._append(request, token, now)
+            request.num_computed_tokens += 1
+            if not request.num_computed_tokens % block_size:
+                self._cache_full_blocks(request)  # a block boundary passed
+            request.output_token_ids.append(token)  # Request.append_output_token's work
+            request.num_output_tokens += 1
+            request.num_tokens += 1
+            request.token_times.append(now)
+            if token in request.params.stop_token_set or (
+                    request.num_tokens >= request.max_num_tokens):
+                self._check_stop(request, token)
             changed.append(request)
 
     def _apply_described(self, request: Request, seq: ScheduledSequence,

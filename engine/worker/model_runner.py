@@ -17,12 +17,13 @@ import numpy as np
 import torch
 
 from engine.core.batch import (GrammarMask, PromptLogprobs, RunnerOutput, ScheduledSequence,
-                               SchedulerOutput)
+                               SchedulerOutput, StepRows)
 from engine.core.config import EngineConfig
 from engine.worker.attention import get_attention_backend
 from engine.worker.block_copy import allocate_kv_caches, copy_blocks, kv_storage
-from engine.worker.cuda_graphs import (BlockCopyGraph, DecodeGraphs, GraphPlan, LogprobGraphs,
-                                       MaskedDrawGraphs, MixedGraphs, StepOutputs)
+from engine.worker.cuda_graphs import (BlockCopyGraph, Continued, DecodeGraphs, GraphPlan,
+                                       LogprobGraphs, MaskedDrawGraphs, MixedGraphs,
+                                       StepOutputs)
 from engine.worker.device import ops_for, resolve_backend, resolve_device, resolve_dtype
 from engine.worker.inputs import prepare_host_inputs, take_placeholders, to_device
 from engine.worker.kv_sizing import kv_block_bytes
@@ -79,6 +80,7 @@ class ModelRunner:
         # the last launched step's sampled tokens, which the next step's placeholders name
         self._last_step: LaunchedStep | None = None
         self._plain_decode: PlainDecode | None = None  # the last step, if a plain decode step
+        self._step_rows = StepRows()  # the rows that the next continued step continues
 
     @property
     def uses_graphs(self) -> bool:
@@ -157,9 +159,19 @@ class ModelRunner:
         if copies and not (self._is_decode_step(out) and self.decode_graphs.takes_copies(copies)):
             self._copy_blocks(kv_caches, copies)
             copies = ()
+        if out.continued is not None and self._continues_plain_decode(out, None):
+            self._step_rows.skip(out)  # a continuation of the last step, itself continued
+            rows, blocks = out.continued, dict(out.continued.new_blocks)
+            return self._launch_plain_decode(
+                out, np.arange(len(rows.request_ids)), rows.request_ids,
+                lambda row, table: table + (blocks[row],), copies)
+        out = self._step_rows.full(out)
         sources = [s.prev_sample_row for s in out.sequences]
         if self._continues_plain_decode(out, sources):
-            return self._launch_plain_decode(out, sources, copies)
+            seqs = out.sequences
+            return self._launch_plain_decode(
+                out, np.array(sources, dtype=np.int64), [s.request_id for s in seqs],
+                lambda row, table: seqs[row].block_ids, copies)
         to_sample = [s for s in out.sequences if s.sample]
         plan = self.speculation.plan(out, to_sample)
         draw_inputs = self.sampler.draw_inputs(plan.sample_rows)
@@ -195,42 +207,46 @@ class ModelRunner:
         return (self.decode_graphs is not None and 0 < len(seqs) <= self.decode_graphs.max_batch
                 and out.num_tokens == len(seqs) and all(s.sample for s in seqs))
 
-    def _continues_plain_decode(self, out: SchedulerOutput, sources: list[int]) -> bool:
+    def _continues_plain_decode(self, out: SchedulerOutput, sources: list[int] | None
+                                ) -> bool:
         """continues_plain_decode, and nothing else runs beside the graph (a last plain
         decode step means decode graphs)."""
         last = self._plain_decode
         return (last is not None and self.speculation is NO_SPECULATION
                 and continues_plain_decode(last, out, sources, self.decode_graphs.max_batch))
 
-    def _launch_plain_decode(self, out: SchedulerOutput, sources: list[int],
+    def _launch_plain_decode(self, out: SchedulerOutput, src: np.ndarray,
+                             request_ids: list[str],
+                             new_table: Callable[[int, tuple[int, ...]], tuple[int, ...]],
                              copies: tuple[tuple[int, int], ...]) -> PendingStep:
-        """launch_on for a step that _continues_plain_decode: its draw inputs, staging and
-        constrained rows come from the last step's rows by index
-        (Sampler.continued_draw_inputs, DecodeStager.write_continued) and its tokens are the
-        graph's own draws, the constrained rows drawn again once their mask is given, their
-        draw's other inputs staged with the step's (MaskedDrawGraphs.stage) where the decode
-        graphs hold a segment for them. `copies`: block copies left for the graphs to make."""
-        seqs, last = out.sequences, self._plain_decode
-        src = np.array(sources, dtype=np.int64)
-        draw_inputs, seeded = self.sampler.continued_draw_inputs(seqs, src, last.temperature,
-                                                                  last.seeded)
-        constrained = last.constrained[src]
-        rows = np.flatnonzero(constrained)
+        """launch_on for a step that _continues_plain_decode (row i continues row src[i] of
+        the last step; `new_table`: Continued's): its draw inputs, staging and constrained
+        rows come from the last step's rows by index (PlainDecode.continued,
+        DecodeStager.write_continued), not from its rows, and its tokens are the graph's own
+        draws, the constrained rows drawn again once their mask is given, their draw's other
+        inputs staged with the step's (MaskedDrawGraphs.stage) where the decode graphs hold a
+        segment for them. `copies`: block copies left for the graphs to make."""
+        plain = self._plain_decode.continued(out.step_id, src)
+        draw_inputs = self.sampler.continued_draw_inputs(plain.temperature, plain.seeded,
+                                                         plain.seeds, plain.num_outputs)
+        rows = np.flatnonzero(plain.constrained)
         masked = self.sampler.masked_graphs
         staged = (len(rows) > 0 and masked is not None
                   and masked.reads(self.decode_graphs.masked_draw_inputs))
+        sources = src.tolist()
         logits, drawn = self.decode_graphs.run(
-            seqs, sources, self._prev_sampled(out, sources), draw_inputs, continued=src,
-            block_copies=copies, stage_masked=functools.partial(
+            None, sources, self._prev_sampled(out, sources), draw_inputs,
+            continued=Continued(src, new_table), block_copies=copies,
+            stage_masked=functools.partial(
                 masked.stage, rows=rows, temperature=draw_inputs[0][rows],
                 seeds=draw_inputs[1][rows]) if staged else None)
-        self._plain_decode = PlainDecode(out.step_id, draw_inputs[0], seeded, constrained)
-        pending = PendingStep([s.request_id for s in seqs], None)
-        if len(rows):
+        self._plain_decode = plain
+        pending = PendingStep(request_ids, None)
+        if len(rows):  # never a continuation's: the scheduler sends none with such rows
             self._last_step = LaunchedStep(out.step_id, None)
             pending.sample_with = functools.partial(
-                self._sample_masked_rows, out.step_id, seqs, rows, logits, draw_inputs, drawn,
-                staged)
+                self._sample_masked_rows, out.step_id, out.sequences, rows, logits,
+                draw_inputs, drawn, staged)
             pending.constrained_rows = rows.tolist()
             return pending
         pending.sampled = SamplerOutput(drawn, [], [])
@@ -329,25 +345,38 @@ class PlainDecode:
     temperature: np.ndarray  # float32 [rows]
     seeded: np.ndarray  # bool [rows]
     constrained: np.ndarray  # bool [rows]
+    seeds: np.ndarray  # int64 [rows]: its request's seed (0: none)
+    num_outputs: np.ndarray  # int64 [rows]: the output position the row samples
 
     @classmethod
     def of(cls, step_id: int, rows: list[ScheduledSequence], draw_inputs: DrawInputs
            ) -> PlainDecode:
+        seeds = [s.params.seed for s in rows]
         return cls(step_id, draw_inputs[0],
-                   np.array([s.params.seed is not None for s in rows], dtype=bool),
+                   np.array([seed is not None for seed in seeds], dtype=bool),
                    np.array([s.params.structured_outputs is not None for s in rows],
-                            dtype=bool))
+                            dtype=bool),
+                   np.array([seed or 0 for seed in seeds], dtype=np.int64),
+                   np.array([s.num_output_tokens for s in rows], dtype=np.int64))
+
+    def continued(self, step_id: int, src: np.ndarray) -> PlainDecode:
+        """The step `step_id` whose row i continues row src[i] of this one, a token on (its
+        parameters stay: a row's min_tokens only run out)."""
+        return PlainDecode(step_id, self.temperature[src], self.seeded[src],
+                           self.constrained[src], self.seeds[src], self.num_outputs[src] + 1)
 
 
-def continues_plain_decode(last: PlainDecode | None, out: SchedulerOutput, sources: list[int],
-                           max_batch: int) -> bool:
-    """Every row of `out` (`sources`: their prev_sample_row) is a placeholder continuing a row
-    of `last`, the decode step launched just before, whose rows were all plain draws but for
-    grammar masks (so are these: a row's parameters stay, its min_tokens only run out), and
-    the decode graphs hold them all."""
-    return (last is not None and last.step_id == out.step_id - 1 and bool(sources)
-            and min(sources) >= 0 and len(sources) <= max_batch
-            and not out.has_prompt_logprobs)
+def continues_plain_decode(last: PlainDecode | None, out: SchedulerOutput,
+                           sources: list[int] | None, max_batch: int) -> bool:
+    """Every row of `out` (`sources`: their prev_sample_row; None for out.continued's, each
+    its own row) is a placeholder continuing a row of `last`, the decode step launched just
+    before, whose rows were all plain draws but for grammar masks (so are these: a row's
+    parameters stay, its min_tokens only run out), and the decode graphs hold them all."""
+    if last is None or last.step_id != out.step_id - 1 or out.has_prompt_logprobs:
+        return False
+    if sources is None:
+        return len(out.continued.request_ids) <= max_batch
+    return bool(sources) and min(sources) >= 0 and len(sources) <= max_batch
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,16 @@ from fakes import VOCAB, PipelinedFakeRunner
 
 
 class RecordingRunner(PipelinedFakeRunner):
-    """Keeps every launched step's rows and preemptions."""
+    """Keeps every launched step's rows (a continued step's expanded) and preemptions."""
 
     def __init__(self, num_blocks: int, block_size: int):
         super().__init__(num_blocks, block_size)
         self.steps: list[tuple] = []
+        self.continued = 0  # steps sent as a DecodeContinuation
 
     def launch(self, out):
+        self.continued += out.continued is not None
+        out = self.step_rows.full(out)
         self.steps.append((out.step_id, [astuple(s) for s in out.sequences],
                            list(out.preempted_ids)))
         return super().launch(out)
@@ -42,7 +45,8 @@ def _params(rng: random.Random) -> SamplingParams:
 
 def _run(seed: int, num_blocks: int, block_size: int, max_seqs: int, budget: int
          ) -> tuple[list, list, int]:
-    """(the launched steps, what each step reported, steps that took the shortcut)."""
+    """(the launched steps, what each step reported, steps that took the shortcut, steps
+    sent as continuations)."""
     rng = random.Random(seed)
     config = EngineConfig.from_flat(max_num_seqs=max_seqs, num_kv_blocks=num_blocks,
                                     block_size=block_size, max_num_batched_tokens=budget,
@@ -68,7 +72,7 @@ def _run(seed: int, num_blocks: int, block_size: int, max_seqs: int, budget: int
         if step >= 60 and not core.scheduler.has_unfinished():
             break
     assert not core.scheduler.has_unfinished()
-    return runner.steps, reported, shortcuts[0]
+    return runner.steps, reported, shortcuts[0], runner.continued
 
 
 def _count_shortcuts(scheduler: Scheduler) -> list[int]:
@@ -90,15 +94,15 @@ def _count_shortcuts(scheduler: Scheduler) -> list[int]:
        budget=st.integers(4, 64))
 def test_steady_decode_steps_match_the_general_loop(seed, num_blocks, block_size, max_seqs,
                                                     budget):
-    steps, reported, shortcuts = _run(seed, num_blocks, block_size, max_seqs, budget)
+    steps, reported, shortcuts, _ = _run(seed, num_blocks, block_size, max_seqs, budget)
     original = Scheduler._decode_all_ahead
     Scheduler._decode_all_ahead = lambda self: False
     try:
-        steps_off, reported_off, shortcuts_off = _run(seed, num_blocks, block_size, max_seqs,
-                                                      budget)
+        steps_off, reported_off, shortcuts_off, continued_off = _run(
+            seed, num_blocks, block_size, max_seqs, budget)
     finally:
         Scheduler._decode_all_ahead = original
-    assert shortcuts_off == 0
+    assert shortcuts_off == continued_off == 0
     assert steps == steps_off
     assert reported == reported_off
 
@@ -106,11 +110,12 @@ def test_steady_decode_steps_match_the_general_loop(seed, num_blocks, block_size
 def test_a_steady_decode_batch_takes_the_shortcut_every_step():
     """256 sequences decoding side by side: every token after a sequence's first (its
     prefill's) is sampled by a step whose rows _decode_all_ahead scheduled, across block
-    boundaries too."""
+    boundaries too, and every such step after the first is sent as a continuation."""
     batch, max_tokens = 256, 48
     config = EngineConfig.from_flat(max_num_seqs=batch, num_kv_blocks=batch * 8, block_size=16,
                                     max_num_batched_tokens=batch * 16, async_scheduling=True)
-    core = EngineCore(config, PipelinedFakeRunner(batch * 8, 16))
+    runner = RecordingRunner(batch * 8, 16)
+    core = EngineCore(config, runner)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind="final_only")
     for i in range(batch):
         core.add(CoreRequest(f"s{i}", [i % 90, 1, 2, 3], params, 0.0))
@@ -118,3 +123,4 @@ def test_a_steady_decode_batch_takes_the_shortcut_every_step():
     while core.scheduler.has_unfinished():
         core.step()
     assert shortcuts[0] == max_tokens - 1
+    assert runner.continued == max_tokens - 2

@@ -1,17 +1,19 @@
 """DecodeStager.write_continued, which stages a decode step of placeholder rows from the step
 its peer staged just before (positions, block tables by index; only rows starting a block read
-their block ids), stages what write() stages from the rows themselves: checked on every
-decode step of random async workloads through the real scheduler, with preemption (few
-blocks), aborts, requests finishing and arriving, and rows moving between steps."""
+their block ids, from the rows or, for a step sent as a DecodeContinuation, from its new
+blocks), stages what write() stages from the rows themselves: checked on every decode step of
+random async workloads through the real scheduler, with preemption (few blocks), aborts,
+requests finishing and arriving, and rows moving between steps."""
 import random
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.core.batch import StepRows
 from engine.core.config import EngineConfig
 from engine.llm import LLMEngine
-from engine.worker.cuda_graphs import DecodeStager, decode_meta_layout
+from engine.worker.cuda_graphs import Continued, DecodeStager, decode_meta_layout
 from engine.worker.cuda_graphs.buffers import token_layout
 from engine_workload import run_random_workload
 from fakes import PipelinedFakeRunner
@@ -59,16 +61,25 @@ def test_continued_staging_equals_staging_from_the_rows(seed, num_blocks):
     run_random_workload(LLMEngine(config, runner=runner), random.Random(seed), "final_only")
     pair, reference = [stager(), stager()], stager()
     pair[0].peer, pair[1].peer = pair[1], pair[0]
-    staged_steps, last_step = 0, None
-    for out in runner.steps:
+    staged_steps, last_step, step_rows = 0, None, StepRows()
+    for sent in runner.steps:
+        out = step_rows.full(sent)
         seqs = out.sequences
         if not seqs or out.num_tokens != len(seqs) or not all(s.sample for s in seqs):
             continue  # not a decode step: the mixed graphs or the eager path take it
         size, sources = len(seqs), [s.prev_sample_row for s in seqs]
         draw = (np.ones(size, np.float32), np.arange(size) + out.step_id)
         current = pair[staged_steps % 2]
-        if last_step == out.step_id - 1 and min(sources) >= 0:
-            current.write_continued(seqs, size, sources, np.array(sources), draw)
+        if sent.continued is not None:
+            assert last_step == out.step_id - 1
+            blocks = dict(sent.continued.new_blocks)
+            current.write_continued(size, Continued(np.arange(size),
+                                                    lambda row, table: table + (blocks[row],)),
+                                    draw)
+        elif last_step == out.step_id - 1 and min(sources) >= 0:
+            current.write_continued(size, Continued(np.array(sources),
+                                                    lambda row, table: seqs[row].block_ids),
+                                    draw)
         else:
             current.write(seqs, size, sources, draw)
         reference.write(seqs, size, sources, draw)
@@ -78,12 +89,16 @@ def test_continued_staging_equals_staging_from_the_rows(seed, num_blocks):
 
 def test_a_workload_continues_most_decode_steps():
     """The property above is not vacuous: a steady workload stages most decode steps as
-    continuations, rows crossing block boundaries among them."""
+    continuations, rows crossing block boundaries among them, and sends some as
+    DecodeContinuations with new blocks."""
     config = EngineConfig.from_flat(block_size=BLOCK, num_kv_blocks=64, max_num_seqs=ROWS,
                                     async_scheduling=True, max_model_len=WIDTH * BLOCK)
     runner = RecordingRunner(64, BLOCK)
     run_random_workload(LLMEngine(config, runner=runner), random.Random(7), "final_only")
-    decode = [out for out in runner.steps if out.sequences
+    assert any(out.continued is not None and out.continued.new_blocks for out in runner.steps)
+    step_rows = StepRows()
+    steps = [step_rows.full(out) for out in runner.steps]
+    decode = [out for out in steps if out.sequences
               and out.num_tokens == len(out.sequences) and all(s.sample for s in out.sequences)]
     placeholders = [out for out in decode if min(s.prev_sample_row for s in out.sequences) >= 0]
     assert len(placeholders) > len(decode) / 2

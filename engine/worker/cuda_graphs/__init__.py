@@ -19,7 +19,8 @@ last graph step drew it (Ops.gather_tokens): prev_tokens serves sets without Ste
 draft chain's), and the host copies previous tokens in only when no graph drew them.
 """
 from engine.worker.cuda_graphs.block_copy_graph import BlockCopyGraph
-from engine.worker.cuda_graphs.decode import DecodeGraphs, DecodeStager, decode_meta_layout
+from engine.worker.cuda_graphs.decode import (Continued, DecodeGraphs, DecodeStager,
+                                              decode_meta_layout)
 from engine.worker.cuda_graphs.graph_set import StepOutputs
 from engine.worker.cuda_graphs.logprob_graphs import LogprobGraphs
 from engine.worker.cuda_graphs.masked_draw import MaskedDrawGraphs
@@ -27,6 +28,7 @@ from engine.worker.cuda_graphs.mixed import MixedGraphs, MixedStager, mixed_meta
 from engine.worker.cuda_graphs.plan import (MIN_MIXED_TOKENS, GraphPlan, capture_sizes,
                                             mixed_capture_sizes)
 
-__all__ = ["MIN_MIXED_TOKENS", "BlockCopyGraph", "DecodeGraphs", "DecodeStager", "GraphPlan",
-           "LogprobGraphs", "MaskedDrawGraphs", "MixedGraphs", "MixedStager", "StepOutputs",
-           "capture_sizes", "decode_meta_layout", "mixed_capture_sizes", "mixed_meta_layout"]
+__all__ = ["MIN_MIXED_TOKENS", "BlockCopyGraph", "Continued", "DecodeGraphs", "DecodeStager",
+           "GraphPlan", "LogprobGraphs", "MaskedDrawGraphs", "MixedGraphs", "MixedStager",
+           "StepOutputs", "capture_sizes", "decode_meta_layout", "mixed_capture_sizes",
+           "mixed_meta_layout"]

@@ -11,7 +11,7 @@ Attention metadata is fixed at capture, max_seq_len the context length; kernels 
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +25,14 @@ from engine.worker.cuda_graphs.graph_set import Follower, GraphSet, MakeStager, 
 from engine.worker.sampler import DrawInputs
 
 PADDING_ROW = (0,)  # a padding row attends to position 0 of block 0 (the cache is zeroed)
+
+
+class Continued(NamedTuple):
+    """A decode step whose row i continues row src[i] of the step staged just before, one
+    position on (DecodeStager.write_continued). new_table(row, table): the block table of a
+    row whose new position starts a block, given the table it continues."""
+    src: np.ndarray  # int64 [rows]
+    new_table: Callable[[int, tuple[int, ...]], tuple[int, ...]]
 
 
 def decode_meta_layout(max_batch: int, max_blocks_per_seq: int) -> BufferLayout:
@@ -102,25 +110,25 @@ class DecodeGraphs(OneTokenGraphs):
         """Whether `run` makes these block copies (before the step's forward)."""
         return self.block_copy is not None and len(copies) <= self.block_copy.max_pairs
 
-    def run(self, seqs: list[ScheduledSequence], sources: list[int],
+    def run(self, seqs: list[ScheduledSequence] | None, sources: list[int],
             prev_tokens: torch.Tensor | None, draw_inputs: DrawInputs,
-            continued: np.ndarray | None = None,
+            continued: Continued | None = None,
             block_copies: tuple[tuple[int, int], ...] = (),
             stage_masked: Callable[[np.ndarray], None] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """sources[i] >= 0: sequence i's placeholder's row in prev_tokens. `continued`: the
-        same sources as an array, when the last replay of these graphs was the step just
-        before and every row continues one of its rows (DecodeStager.write_continued).
+        """sources[i] >= 0: sequence i's placeholder's row in prev_tokens. `continued`: when
+        the last replay of these graphs was the step just before and every row continues one
+        of its rows (DecodeStager.write_continued; `seqs` is then not read and may be None).
         `block_copies`: the step's, if any (takes_copies). `stage_masked`: writes the step's
         masked-draw inputs into the mirror's `masked_draw` segment. Returns logits [B, vocab]
         and drawn tokens [B], valid until the next replay."""
-        batch = len(seqs)
+        batch = len(sources)
         size = self.size_for(batch)
         def stage(stager: DecodeStager) -> None:
             if continued is None:
                 stager.write(seqs, size, sources, draw_inputs)
             else:
-                stager.write_continued(seqs, size, sources, continued, draw_inputs)
+                stager.write_continued(size, continued, draw_inputs)
             if block_copies:
                 stage_pairs(stager.tokens.block_copies, block_copies)
             if stage_masked is not None:
@@ -160,22 +168,22 @@ class DecodeStager:
         np.copyto(source, self._own_token[:batch], where=source < 0)
         self._write_rest(batch, size, draw_inputs)
 
-    def write_continued(self, seqs: list[ScheduledSequence], size: int, sources: list[int],
-                        src: np.ndarray, draw_inputs: DrawInputs) -> None:
-        """write(), for a step whose every row i is a placeholder continuing row sources[i]
-        (`src`: the same, as an int64 array) of the step the peer staged just before: its
-        position is that row's plus one, its block table that row's, read from the peer's
-        arrays, not from the rows. A table grows only as a position starts a block
-        (Scheduler._add_decode_ahead), so only those rows' block ids are read. Per-row Python
-        work: those rows, and one pass over the peer's held tables."""
-        batch, bs, t, last = len(seqs), self.block_size, self.tokens, self.peer
-        tables, held = self.meta.block_tables, self._rows
+    def write_continued(self, size: int, continued: Continued, draw_inputs: DrawInputs
+                        ) -> None:
+        """write(), for a step whose every row i is a placeholder continuing row src[i] of
+        the step the peer staged just before: its position is that row's plus one, its block
+        table that row's, read from the peer's arrays, not from the rows. A table grows only
+        as a position starts a block (Scheduler._add_decode_ahead), so only those rows ask
+        `continued.new_table` for theirs. Per-row Python work: those rows, and one C-level
+        pass over the peer's held tables."""
+        src, bs, t, last = continued.src, self.block_size, self.tokens, self.peer
+        batch, tables, held = len(src), self.meta.block_tables, self._rows
         tables[:batch] = last.meta.block_tables[src]
-        held[:batch] = [last._rows[r] for r in sources]
+        held[:batch] = map(last._rows.__getitem__, src.tolist())
         positions = t.positions[:batch]
         np.add(last.tokens.positions[src], 1, out=positions)
         for row in np.flatnonzero(positions % bs == 0).tolist():  # a new block: the new table
-            block_ids = seqs[row].block_ids
+            block_ids = continued.new_table(row, held[row])
             tables[row, :len(block_ids)] = block_ids
             held[row] = tuple(block_ids)
         self._pad_tables(batch, size)
