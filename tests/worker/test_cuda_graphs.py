@@ -184,9 +184,10 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                                                   async_scheduling, params):
     """The graph paths' inputs (pinned staging used in turn, changed-row block tables, the
     token-source gather that fills placeholders from the StepOutputs' draws, decode steps
-    continuing the last one by row index (ModelRunner._launch_plain_decode), each row's draw
-    temperature and seed, and for steps with prompt chunks the padded tokens and sequences)
-    give the eager path's
+    continuing the last one by row index (ModelRunner._launch_plain_decode), steps sent as
+    DecodeContinuations (staged from the last step's arrays, or expanded where a top-k row
+    takes the general path), each row's draw temperature and seed, and for steps with prompt
+    chunks the padded tokens and sequences) give the eager path's
     tokens, and so do structured-output rows drawn again in the graphs' StepOutputs
     (MaskedDrawGraphs), in continued steps too, whose draws read their inputs staged with the
     step's. Graphs are replaced by eager replays, so this runs without CUDA. A 24-token budget splits prompts into chunks that share steps with
@@ -210,6 +211,9 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
                 step, -(-runner.model.config.vocab_size // 32), 4, torch.device("cpu"),
                 decode.masked_draw_inputs)
             replay_masked_draw_eagerly(masked, staged=True)
+            continuations, launch = [], runner.launch
+            monkeypatch.setattr(runner, "launch", lambda out: continuations.append(
+                out.continued is not None) or launch(out))
         results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if with_graphs:
             assert decode.steps_staged > 20  # decode steps went through the staging
@@ -224,6 +228,9 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
             # continuing a decode step from inputs staged with it
             assert (len(masked_draws) > 20) == structured
             assert (masked.steps_staged > 10) == (structured and async_scheduling)
+            # steady steps are sent as continuations (the structured ones once only
+            # unconstrained rows run)
+            assert (sum(continuations) > 5) == async_scheduling
     assert results[0] == results[1]
 
 
