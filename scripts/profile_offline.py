@@ -30,7 +30,9 @@ HOST_PHASES = ("schedule", "launch", "update")
 
 
 def step_kind(out: SchedulerOutput) -> str:
-    return "decode" if out.num_tokens == len(out.sequences) else "mixed"
+    """A continued step (SchedulerOutput.continued) is a decode step too."""
+    one_token_rows = out.continued is not None or out.num_tokens == len(out.sequences)
+    return "decode" if one_token_rows else "mixed"
 
 
 class StepTimes:
