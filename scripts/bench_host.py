@@ -28,7 +28,7 @@ from engine.worker.cuda_graphs import (Continued, DecodeStager, MixedStager,
                                        mixed_meta_layout)
 from engine.worker.cuda_graphs.buffers import BufferLayout, token_layout
 from engine.worker.inputs import is_decode_step, prepare_host_inputs
-from engine.worker.model_runner import PlainDecode, continues_plain_decode
+from engine.worker.model_runner import PlainDecode, continued_rows, continues_plain_decode
 from engine.worker.sampler import Sampler, is_plain_but_masked
 from engine.worker.startup import StartupPhases
 
@@ -72,7 +72,7 @@ class NoOpRunner:
             self._step_rows.skip(out)
             blocks = dict(out.continued.new_blocks)
             ids = out.continued.request_ids
-            self._continue(last, out, Continued(np.arange(len(ids)),
+            self._continue(last, out, Continued(continued_rows(out.continued),
                                                 lambda row, table: table + (blocks[row],)))
             return self._sampled(ids, [])
         out = self._step_rows.full(out)

@@ -62,20 +62,23 @@ UNFILLED_DRAFT = -2  # a draft slot the draft model fills on the device
 
 @dataclass(frozen=True)
 class DecodeContinuation:
-    """A steady decode step sent as what changed: its rows are the rows of the step before
-    it (step_id - 1), in their order, a step whose every row sampled one token; each decodes
-    that token (a placeholder, prev_sample_row = its row) one position further. The rows
-    whose new position starts a block append the block of `new_blocks` (row, block id).
-    Per-row work to build or read it: those rows only (`request_ids` is the step before's)."""
+    """A steady decode step sent as what changed: its row i is row src[i] of the step before
+    it (step_id - 1; src None: row i, every row of it), a step whose every row sampled one
+    token, and decodes that token (a placeholder, prev_sample_row = src[i]) one position
+    further. The rows whose new position starts a block append the block of `new_blocks`
+    (row, block id). No Python work per row to build or read it but for those rows (and
+    C-level passes where src is given)."""
     request_ids: list[str]
     new_blocks: tuple[tuple[int, int], ...] = ()
+    src: tuple[int, ...] | None = None
 
     def expand(self, last: list[ScheduledSequence]) -> list[ScheduledSequence]:
         """The rows in full, given the step before's."""
+        src = range(len(last)) if self.src is None else self.src
         rows = [ScheduledSequence(s.request_id, [PLACEHOLDER_TOKEN], s.start_position + 1,
                                   s.block_ids, True, s.params, (), (),
                                   s.num_output_tokens + 1, i)
-                for i, s in enumerate(last)]
+                for i, s in zip(src, map(last.__getitem__, src))]
         for row, block_id in self.new_blocks:
             rows[row].block_ids = rows[row].block_ids + (block_id,)
         return rows

@@ -34,6 +34,7 @@ their blocks and slots).
 from __future__ import annotations
 
 import bisect
+import operator
 import time
 from typing import Protocol
 
@@ -79,6 +80,9 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
     if need > pool_tokens:
         raise ValueError(f"this request needs {need} tokens of KV cache; the whole pool holds "
                          f"{pool_tokens}")
+
+
+_request_id = operator.attrgetter("request_id")
 
 
 class _StepDraft:
@@ -285,46 +289,72 @@ class Scheduler:
         running, block_manager = self.running, self.block_manager
         if self.speculator is not None or self._beam_of or not running:
             return False
-        starting_a_block, block_size = [], block_manager.block_size
+        ending, starting_a_block, block_size = [], [], block_manager.block_size
         for row, request in enumerate(running):
             computed = request.num_computed_tokens + request.num_pending_tokens
             if not (request.num_pending_samples and computed == request.num_tokens
-                    and computed + 1 < request.max_num_tokens
                     and not request.params.needs_output_tokens):
                 return False
-            if not computed % block_size:
+            if computed + 1 >= request.max_num_tokens:
+                ending.append(row)  # its token in flight is its last: it waits, as in the loop
+            elif not computed % block_size:
                 starting_a_block.append(row)
+        rows = running.copy()
+        if ending:  # rows renumbered without them
+            for row in reversed(ending):
+                del rows[row]
+            starting_a_block = [row - bisect.bisect(ending, row) for row in starting_a_block]
         grow = block_manager.grow
-        if not all(grow(running[row].request_id, running[row].num_tokens + 1)
-                   for row in starting_a_block):
+        if not rows or not all(grow(rows[row].request_id, rows[row].num_tokens + 1)
+                               for row in starting_a_block):
             return False
-        if running == self._run and (not self.waiting
-                                     or len(running) >= self.config.max_num_seqs):
-            block_ids = block_manager.block_ids
-            self._continue_run([(row, block_ids(running[row].request_id)[-1])
-                                for row in starting_a_block])
+        src = self._rows_continued(rows)
+        if src is False:
+            self._add_decode_ahead(rows)
         else:
-            self._add_decode_ahead(running)
-        self._step.ahead = running.copy()
+            block_ids = block_manager.block_ids
+            self._continue_run(rows, src, [(row, block_ids(rows[row].request_id)[-1])
+                                           for row in starting_a_block])
+        self._step.ahead = rows
         return True
 
-    def _continue_run(self, new_blocks: list[tuple[int, int]]) -> None:
-        """_add_decode_ahead for the rows of the step before, in its order (`running` is
-        self._run, and no request can be admitted after them), sent as what changed
-        (DecodeContinuation): they keep their rows, and only `new_blocks` are new."""
-        step, running = self._step, self._run
-        for request in running:
+    def _rows_continued(self, rows: list[Request]) -> tuple[int, ...] | None | bool:
+        """The rows of the step before that `rows` continue, in order: None if all of them;
+        False if some row continues none, or a request may be admitted after them. `rows`
+        are what remains of the run's rows: between two schedules requests only end (in
+        update, or by abort), and none is admitted before _decode_all_ahead."""
+        run = self._run
+        if run is None or (self.waiting and len(self.running) < self.config.max_num_seqs):
+            return False
+        if rows == run:
+            return None
+        src = tuple(map(self._sample_rows.get, map(_request_id, rows)))
+        return False if None in src else src
+
+    def _continue_run(self, rows: list[Request], src: tuple[int, ...] | None,
+                      new_blocks: list[tuple[int, int]]) -> None:
+        """_add_decode_ahead for `rows`, which continue rows `src` of the step before (None:
+        all of them), sent as what changed (DecodeContinuation): only `new_blocks` are new,
+        and the rows of the step before are reused where every one continues."""
+        step = self._step
+        for request in rows:
             request.num_pending_tokens += 1
             request.num_pending_samples += 1
-        step.requests, step.sample_rows = self._run_requests, self._sample_rows
-        step.num_tokens += len(running)
-        step.continued = DecodeContinuation(list(self._sample_rows), tuple(new_blocks))
+        if src is None:
+            step.requests, step.sample_rows = self._run_requests, self._sample_rows
+            request_ids = list(self._sample_rows)
+        else:
+            request_ids = list(map(_request_id, rows))
+            step.requests = dict(zip(request_ids, rows))
+            step.sample_rows = dict(zip(request_ids, range(len(rows))))
+        step.num_tokens += len(rows)
+        step.continued = DecodeContinuation(request_ids, tuple(new_blocks), src)
 
     def _schedule_running(self, budget: int, preempted: list[str]) -> int:
         """Victims come from the tail of `running`, never before i, so no request scheduled
         here is preempted afterwards."""
         if len(self.running) <= budget and self._decode_all_ahead():
-            return budget - len(self.running)
+            return budget - len(self._step.ahead)
         i, running, block_size = 0, self.running, self.block_manager.block_size
         while i < len(running) and budget > 0:
             request = running[i]

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.core.batch import (GrammarMask, PromptLogprobs, RunnerOutput, ScheduledSequence,
-                               SchedulerOutput, StepRows)
+from engine.core.batch import (DecodeContinuation, GrammarMask, PromptLogprobs, RunnerOutput,
+                               ScheduledSequence, SchedulerOutput, StepRows)
 from engine.core.config import EngineConfig
 from engine.worker.attention import get_attention_backend
 from engine.worker.block_copy import allocate_kv_caches, copy_blocks, kv_storage
@@ -163,7 +163,7 @@ class ModelRunner:
             self._step_rows.skip(out)  # a continuation of the last step, itself continued
             rows, blocks = out.continued, dict(out.continued.new_blocks)
             return self._launch_plain_decode(
-                out, np.arange(len(rows.request_ids)), rows.request_ids,
+                out, continued_rows(rows), rows.request_ids,
                 lambda row, table: table + (blocks[row],), copies)
         out = self._step_rows.full(out)
         sources = [s.prev_sample_row for s in out.sequences]
@@ -364,6 +364,14 @@ class PlainDecode:
         parameters stay: a row's min_tokens only run out)."""
         return PlainDecode(step_id, self.temperature[src], self.seeded[src],
                            self.constrained[src], self.seeds[src], self.num_outputs[src] + 1)
+
+
+def continued_rows(continued: DecodeContinuation) -> np.ndarray:
+    """The continuation's src as an int64 array: the row of the step before each row
+    continues."""
+    if continued.src is None:
+        return np.arange(len(continued.request_ids))
+    return np.array(continued.src, dtype=np.int64)
 
 
 def continues_plain_decode(last: PlainDecode | None, out: SchedulerOutput,

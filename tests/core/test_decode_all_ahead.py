@@ -155,3 +155,24 @@ def test_rows_with_structured_outputs_are_never_sent_as_a_continuation():
         scheduler.update(in_flight[0], in_flight[1].wait())
     assert continued_while_constrained == 0
     assert continued_after > 5
+
+
+def test_rows_ending_by_length_leave_the_run_without_breaking_it():
+    """Sequences of staggered lengths (an offline run's tail): each step's rows are the step
+    before's less those whose token in flight was their last, so every decode step after
+    the first is sent as a continuation, naming the rows it keeps where some ended."""
+    batch = 64
+    config = EngineConfig.from_flat(max_num_seqs=batch, num_kv_blocks=batch * 8, block_size=4,
+                                    max_num_batched_tokens=batch * 16, async_scheduling=True)
+    runner = RecordingRunner(batch * 8, 4)
+    core = EngineCore(config, runner)
+    kept = []
+    launch = runner.launch
+    runner.launch = lambda out: kept.append(out.continued and out.continued.src) or launch(out)
+    for i in range(batch):
+        params = SamplingParams(max_tokens=8 + i % 23, ignore_eos=True, output_kind="final_only")
+        core.add(CoreRequest(f"s{i}", [i % 90, 1, 2], params, 0.0))
+    while core.scheduler.has_unfinished():
+        core.step()
+    assert runner.continued == len(runner.steps) - 2  # all but the prefill and the first decode
+    assert sum(src is not None for src in kept) > 5

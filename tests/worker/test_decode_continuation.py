@@ -15,6 +15,7 @@ from engine.core.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.worker.cuda_graphs import Continued, DecodeStager, decode_meta_layout
 from engine.worker.cuda_graphs.buffers import token_layout
+from engine.worker.model_runner import continued_rows
 from engine_workload import run_random_workload
 from fakes import PipelinedFakeRunner
 
@@ -73,7 +74,7 @@ def test_continued_staging_equals_staging_from_the_rows(seed, num_blocks):
         if sent.continued is not None:
             assert last_step == out.step_id - 1
             blocks = dict(sent.continued.new_blocks)
-            current.write_continued(size, Continued(np.arange(size),
+            current.write_continued(size, Continued(continued_rows(sent.continued),
                                                     lambda row, table: table + (blocks[row],)),
                                     draw)
         elif last_step == out.step_id - 1 and min(sources) >= 0:

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core.batch import StepRows
 from engine.core.config import EngineConfig
 from engine.build import build_runner
 from fakes import RecordingRunner
@@ -35,12 +36,16 @@ def recorded(tiny_checkpoint) -> tuple[RecordingRunner, EngineConfig]:
 
 def test_recorded_steps_replay_through_a_fresh_runner(recorded):
     """Each placeholder names its own request's row of the step before; replayed, the steps
-    give the recorded tokens (unseeded rows take seeds from the runner's generator, which a
-    fresh runner with the same config seed repeats)."""
+    (continuations among them, which name only what changed) give the recorded tokens
+    (unseeded rows take seeds from the runner's generator, which a fresh runner with the
+    same config seed repeats)."""
     recorder, config = recorded
     steps = [pickle.loads(raw) for raw in recorder.steps]
+    assert any(step.continued is not None for step in steps)
+    step_rows = StepRows()
+    expanded = [step_rows.full(step) for step in steps]
     placeholders = 0
-    for prev, prev_out, step in zip(steps, recorder.outputs, steps[1:]):
+    for prev, prev_out, step in zip(expanded, recorder.outputs, expanded[1:]):
         for seq in (s for s in step.sequences if s.prev_sample_row >= 0):
             assert prev.step_id == step.step_id - 1
             assert prev_out.request_ids[seq.prev_sample_row] == seq.request_id
