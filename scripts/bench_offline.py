@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=0, help="shared prefix tokens")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument("--hf-prompts", type=int, default=128)
+    parser.add_argument("--hf-prompts", type=int, default=128, help="0: no HF baseline")
     parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--sweep", default="1,8,32,64,128,256")
     parser.add_argument("--no-async-scheduling", action="store_true",
@@ -133,18 +133,21 @@ def main() -> None:
     stability = memory_stability(llm, args)
     del llm
     torch.cuda.empty_cache()
-    hf = run_hf(checkpoint, prompts[:args.hf_prompts], args.output_len, args.hf_batch)
+    hf = (run_hf(checkpoint, prompts[:args.hf_prompts], args.output_len, args.hf_batch)
+          if args.hf_prompts else None)  # --hf-prompts 0: no baseline
+    ratio = None if hf is None else ours["output_tok_per_s"] / hf["output_tok_per_s"]
     result = {**info, "args": vars(args), "engine": ours, "hf_transformers": hf,
-              "ratio_output_tok_s_vs_hf": ours["output_tok_per_s"] / hf["output_tok_per_s"],
+              "ratio_output_tok_s_vs_hf": ratio,
               "roofline": roof, "fraction_of_roofline": roof["total_s"] / ours["seconds"],
               "sweep_output_tok_per_s": sweep, "memory_stability": stability}
     name = f"offline_{args.model.replace('/', '_')}_{args.input_len}x{args.output_len}"
     path = write_result(name, result, out_dir=Path(args.out))
     plot(path.with_suffix(".png"), list(sweep), {"gpt2-serve": list(sweep.values())},
          "batch size (requests at once)", "output tok/s", f"{args.model}: throughput vs batch")
+    against_hf = ("no HF baseline" if hf is None else
+                  f"HF {hf['output_tok_per_s']:.0f} out tok/s | ratio {ratio:.1f}x")
     print(f"engine {ours['output_tok_per_s']:.0f} out tok/s, {ours['requests_per_s']:.1f} req/s"
-          f" | HF {hf['output_tok_per_s']:.0f} out tok/s"
-          f" | ratio {result['ratio_output_tok_s_vs_hf']:.1f}x"
+          f" | {against_hf}"
           f" | roofline fraction {result['fraction_of_roofline']:.2f}"
           f" | memory grew: {stability['grew']}")
 
