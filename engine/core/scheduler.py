@@ -23,7 +23,8 @@ anyway, update drops N+1's work for it. A request that may speculate waits inste
 `apply_before_next` tells EngineCore to apply N before scheduling N+1. Drafts and lookahead
 blocks: docs/speculative.md, 3, 4, 8. When every running request decodes ahead (the steady
 decode step), `_decode_all_ahead` schedules them and update applies them (`_apply_ahead`)
-without the general loop's checks per row.
+without the general loop's checks per row; when its rows are the step before's, or what
+remains of them, the step is sent as what changed (SchedulerOutput.continued).
 
 A beam search (engine/core/beam.py) runs its live beams as requests whose sampled token is
 ignored: update hands each beam's logprobs to its group, and once every live beam has
@@ -282,10 +283,12 @@ class Scheduler:
         """The steady decode step, without the general loop's checks per row: if every running
         request's next token is in flight and it may decode ahead of it (no speculator, no
         beam search), each gets its placeholder row, as _schedule_running would give it one
-        row at a time, and True. Blocks are asked for only where a row starts one; if one
-        cannot be had, nothing is scheduled and False leaves the step to the general loop,
-        which preempts for it (the rows grown here keep their blocks: growing is idempotent,
-        and the loop grows the same rows in the same order)."""
+        row at a time, and True; a request whose token in flight is its last gets none (it
+        ends when that token is applied), as in the loop. Blocks are asked for only where a
+        row starts one; if one cannot be had, nothing is scheduled and False leaves the step
+        to the general loop, which preempts for it (the rows grown here keep their blocks:
+        growing is idempotent, and the loop grows the same rows in the same order). Rows
+        that continue the step before's are sent as a DecodeContinuation (_continue_run)."""
         running, block_manager = self.running, self.block_manager
         if self.speculator is not None or self._beam_of or not running:
             return False
