@@ -121,8 +121,8 @@ class Scheduler:
         self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
         self._step_ahead: dict[int, list[Request]] = {}  # step id -> _decode_all_ahead's rows
         self._sample_rows: dict[str, int] = {}  # request id -> its row in the last step's samples
-        # the last step, if _decode_all_ahead's rows were the whole of it and none has
-        # structured outputs: its rows (requests, by identity) and its requests by id
+        # the last step, if _decode_all_ahead's rows were the whole of it: its rows
+        # (requests, by identity) and its requests by id
         self._run: list[Request] | None = None
         self._run_requests: dict[str, Request] = {}
         self.beam_searches: dict[str, BeamGroup] = {}  # by group id, until they end
@@ -220,11 +220,9 @@ class Scheduler:
 
     def _note_run(self, step: _StepDraft) -> None:
         """Keep the step's rows for the next step to continue (_decode_all_ahead), if they
-        were _decode_all_ahead's alone and none has structured outputs (whose masked draws
-        read their rows)."""
-        if step.continued is None and not (
-                step.ahead and len(step.sequences) == len(step.ahead)
-                and all(r.params.structured_outputs is None for r in step.ahead)):
+        were _decode_all_ahead's alone."""
+        if step.continued is None and not (step.ahead
+                                           and len(step.sequences) == len(step.ahead)):
             self._run = None
             return
         self._run, self._run_requests = step.ahead, step.requests

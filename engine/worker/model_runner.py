@@ -242,10 +242,10 @@ class ModelRunner:
                 seeds=draw_inputs[1][rows]) if staged else None)
         self._plain_decode = plain
         pending = PendingStep(request_ids, None)
-        if len(rows):  # never a continuation's: the scheduler sends none with such rows
+        if len(rows):
             self._last_step = LaunchedStep(out.step_id, None)
             pending.sample_with = functools.partial(
-                self._sample_masked_rows, out.step_id, out.sequences, rows, logits,
+                self._sample_masked_rows, out.step_id, request_ids, rows, logits,
                 draw_inputs, drawn, staged)
             pending.constrained_rows = rows.tolist()
             return pending
@@ -255,13 +255,13 @@ class ModelRunner:
         return pending
 
     @torch.inference_mode()  # a deferred sample runs after launch_on has returned
-    def _sample_masked_rows(self, step_id: int, seqs: list[ScheduledSequence], rows: np.ndarray,
+    def _sample_masked_rows(self, step_id: int, request_ids: list[str], rows: np.ndarray,
                             logits: torch.Tensor, draw_inputs: DrawInputs, drawn: torch.Tensor,
                             staged: bool, mask: GrammarMask | None) -> SamplerOutput:
         """_sample for a continued step: the graph's draws, `rows` drawn again under `mask`
         (`staged`: their draw's other inputs came in with the step's)."""
-        sampled = self.sampler.masked_draw_rows(logits, seqs, rows, draw_inputs, drawn, mask,
-                                                staged)
+        sampled = self.sampler.masked_draw_rows(logits, request_ids, rows, draw_inputs, drawn,
+                                                mask, staged)
         sampled.begin_host_copy()
         self._last_step = LaunchedStep(step_id, sampled.token_ids)
         return sampled

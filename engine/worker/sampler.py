@@ -173,7 +173,8 @@ class Sampler:
         if is_plain_but_masked(seqs):
             rows = np.array([i for i, s in enumerate(seqs)
                              if s.params.structured_outputs is not None], dtype=np.int64)
-            return self.masked_draw_rows(logits, seqs, rows, (temperature, seeds), drawn, mask)
+            return self.masked_draw_rows(logits, [s.request_id for s in seqs], rows,
+                                         (temperature, seeds), drawn, mask)
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         num_top = [seqs[i].params.logprobs for i in logprob_rows]
         if is_plain_but_logprobs(seqs) and drawn is not None:  # the graph's draw stands
@@ -213,13 +214,13 @@ class Sampler:
                                                                  max(out.num_top))
         return out
 
-    def masked_draw_rows(self, logits: torch.Tensor, seqs: list[ScheduledSequence],
+    def masked_draw_rows(self, logits: torch.Tensor, request_ids: list[str],
                          rows: np.ndarray, draw_inputs: DrawInputs, drawn: torch.Tensor | None,
                          mask: GrammarMask | None, staged: bool = False) -> SamplerOutput:
-        """__call__ for rows that are all plain draws but for the grammar masks of `rows`
-        (int64, ascending: the constrained ones): plain draws for every row (the graph's, if
-        it made them; none when every row is constrained), then one masked draw of `rows`
-        over their bitmask, in place: replayed (MaskedDrawGraphs) where a graph wrote the
+        """__call__ for rows (their `request_ids`) that are all plain draws but for the
+        grammar masks of `rows` (int64, ascending: the constrained ones): plain draws for
+        every row (the graph's, if it made them; none when every row is constrained), then
+        one masked draw of `rows` over their bitmask, in place: replayed (MaskedDrawGraphs) where a graph wrote the
         step's StepOutputs, else three uploads (rows and seeds, temperatures, the bitmask)
         and one launch. `staged`: the replay's other inputs came in with the step's
         (MaskedDrawGraphs.stage): only the mask is copied."""
@@ -227,17 +228,18 @@ class Sampler:
         device = logits.device
         graphs = self.masked_graphs
         if graphs is not None and drawn is not None and graphs.takes(logits, drawn, len(rows)):
-            check_mask(seqs, rows.tolist(), mask)
+            check_mask(request_ids, rows.tolist(), mask)
             if staged:
                 graphs.run_staged(mask.bitmask)
             else:
                 graphs.run(rows, mask.bitmask, temperature[rows], seeds[rows])
             return SamplerOutput(drawn, [], [])
-        words = grammar_words(seqs, rows.tolist(), mask, device)
+        words = grammar_words(request_ids, rows.tolist(), mask, device)
         if drawn is None:
             drawn = (self.draw(logits, upload(temperature, torch.float32, device),
-                               upload(seeds, torch.int64, device)) if len(rows) < len(seqs)
-                     else torch.empty(len(seqs), dtype=torch.int64, device=device))
+                               upload(seeds, torch.int64, device))
+                     if len(rows) < len(request_ids)
+                     else torch.empty(len(request_ids), dtype=torch.int64, device=device))
         rows_seeds = upload(np.stack([rows, seeds[rows]]), torch.int64, device)
         self.masked_draw(logits, rows_seeds[0], words,
                          upload(temperature[rows], torch.float32, device), rows_seeds[1], drawn)
@@ -265,18 +267,18 @@ def _rows_tokens(pairs: list[tuple[int, int]], device: torch.device) -> tuple[to
     return upload(rows, torch.long, device), upload(tokens, torch.long, device)
 
 
-def grammar_words(seqs: list[ScheduledSequence], rows: list[int], mask: GrammarMask | None,
+def grammar_words(request_ids: list[str], rows: list[int], mask: GrammarMask | None,
                   device: torch.device) -> torch.Tensor:
-    """`mask`'s bitmask on `device`, once it is checked to hold the constrained `rows` of
-    `seqs`, in order. Copied straight from its array, which may be page-locked and stays
-    valid until the step's tokens are waited for (so no pinned staging copy); on the CPU, the
-    array itself."""
-    check_mask(seqs, rows, mask)
+    """`mask`'s bitmask on `device`, once it is checked to hold the constrained `rows` of the
+    step's rows (their `request_ids`), in order. Copied straight from its array, which may be
+    page-locked and stays valid until the step's tokens are waited for (so no pinned staging
+    copy); on the CPU, the array itself."""
+    check_mask(request_ids, rows, mask)
     return torch.from_numpy(mask.bitmask).to(device, non_blocking=True)
 
 
-def check_mask(seqs: list[ScheduledSequence], rows: list[int], mask: GrammarMask | None) -> None:
-    if mask is None or mask.request_ids != [seqs[i].request_id for i in rows]:
+def check_mask(request_ids: list[str], rows: list[int], mask: GrammarMask | None) -> None:
+    if mask is None or mask.request_ids != [request_ids[i] for i in rows]:
         raise ValueError("the grammar mask does not match the step's constrained rows")
 
 
@@ -287,7 +289,7 @@ def apply_grammar_mask(logits: torch.Tensor, seqs: list[ScheduledSequence],
     rows = [i for i, s in enumerate(seqs) if s.params.structured_outputs is not None]
     if not rows:
         return logits
-    words = grammar_words(seqs, rows, mask, logits.device)
+    words = grammar_words([s.request_id for s in seqs], rows, mask, logits.device)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     banned = ((words[:, :, None] >> bits) & 1 == 0).flatten(1)[:, :logits.shape[-1]]
     if len(rows) == len(seqs):  # the masked draw's case: every row is constrained

@@ -10,11 +10,10 @@ from dataclasses import astuple
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.block_manager import BlockManager
-from engine.core.config import EngineConfig, SchedulerConfig
+from engine.core.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.messages import CoreRequest
-from engine.core.request import Request, SamplingParams, StructuredOutputsParams
+from engine.core.request import SamplingParams
 from engine.core.scheduler import Scheduler
 from fakes import VOCAB, PipelinedFakeRunner
 
@@ -125,36 +124,6 @@ def test_a_steady_decode_batch_takes_the_shortcut_every_step():
         core.step()
     assert shortcuts[0] == max_tokens - 1
     assert runner.continued == max_tokens - 2
-
-
-def test_rows_with_structured_outputs_are_never_sent_as_a_continuation():
-    """A continued step's rows reach the runner without their ScheduledSequences, which a
-    constrained row's masked draw reads: while a request with structured outputs runs, no
-    step is sent as a continuation; once it has ended, the others' steady steps are."""
-    scheduler = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=4,
-                                          max_num_batched_tokens=64), BlockManager(64, 4))
-    runner = PipelinedFakeRunner(64, 4)
-    regex = StructuredOutputsParams(regex="a+")
-    scheduler.add(Request("constrained", [1, 2], SamplingParams(
-        max_tokens=8, ignore_eos=True, structured_outputs=regex)))
-    for i in range(3):
-        scheduler.add(Request(f"free{i}", [3, 4], SamplingParams(max_tokens=24,
-                                                                 ignore_eos=True)))
-    in_flight, continued_while_constrained, continued_after = None, 0, 0
-    while scheduler.has_unfinished():  # EngineCore's async order: schedule, launch, apply
-        constrained_runs = "constrained" in scheduler.requests
-        out = scheduler.schedule()
-        launched = None if out.is_empty else (out, runner.launch(out))
-        if out.continued is not None:
-            continued_while_constrained += constrained_runs
-            continued_after += not constrained_runs
-        if in_flight is not None:
-            scheduler.update(in_flight[0], in_flight[1].wait())
-        in_flight = launched
-    if in_flight is not None:
-        scheduler.update(in_flight[0], in_flight[1].wait())
-    assert continued_while_constrained == 0
-    assert continued_after > 5
 
 
 def test_rows_ending_by_length_leave_the_run_without_breaking_it():

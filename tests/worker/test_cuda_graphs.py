@@ -185,9 +185,10 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
     """The graph paths' inputs (pinned staging used in turn, changed-row block tables, the
     token-source gather that fills placeholders from the StepOutputs' draws, decode steps
     continuing the last one by row index (ModelRunner._launch_plain_decode), steps sent as
-    DecodeContinuations (staged from the last step's arrays, or expanded where a top-k row
-    takes the general path), each row's draw temperature and seed, and for steps with prompt
-    chunks the padded tokens and sequences) give the eager path's
+    DecodeContinuations (staged from the last step's arrays, constrained rows drawn again by
+    their request ids, or expanded where a top-k row takes the general path), each row's draw
+    temperature and seed, and for steps with prompt chunks the padded tokens and sequences)
+    give the eager path's
     tokens, and so do structured-output rows drawn again in the graphs' StepOutputs
     (MaskedDrawGraphs), in continued steps too, whose draws read their inputs staged with the
     step's. Graphs are replaced by eager replays, so this runs without CUDA. A 24-token budget splits prompts into chunks that share steps with
@@ -228,8 +229,7 @@ def test_graph_input_staging_matches_eager_on_cpu(tiny_checkpoint, monkeypatch,
             # continuing a decode step from inputs staged with it
             assert (len(masked_draws) > 20) == structured
             assert (masked.steps_staged > 10) == (structured and async_scheduling)
-            # steady steps are sent as continuations (the structured ones once only
-            # unconstrained rows run)
+            # steady steps are sent as continuations, constrained rows among them
             assert (sum(continuations) > 5) == async_scheduling
     assert results[0] == results[1]
 
