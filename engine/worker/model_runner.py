@@ -345,7 +345,7 @@ class PlainDecode:
     temperature: np.ndarray  # float32 [rows]
     seeded: np.ndarray  # bool [rows]
     constrained: np.ndarray  # bool [rows]
-    seeds: np.ndarray  # int64 [rows]: its request's seed (0: none)
+    seeds: np.ndarray  # object [rows]: its request's seed (0: none), a Python int of any size
     num_outputs: np.ndarray  # int64 [rows]: the output position the row samples
 
     @classmethod
@@ -356,7 +356,7 @@ class PlainDecode:
                    np.array([seed is not None for seed in seeds], dtype=bool),
                    np.array([s.params.structured_outputs is not None for s in rows],
                             dtype=bool),
-                   np.array([seed or 0 for seed in seeds], dtype=np.int64),
+                   np.array([seed or 0 for seed in seeds], dtype=object),
                    np.array([s.num_output_tokens for s in rows], dtype=np.int64))
 
     def continued(self, step_id: int, src: np.ndarray) -> PlainDecode:

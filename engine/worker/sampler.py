@@ -154,7 +154,7 @@ class Sampler:
         for the seeded rows only)."""
         step_seeds = self._fresh_seeds(len(temperature))
         for row in np.flatnonzero(seeded).tolist():
-            step_seeds[row] = step_seed(int(seeds[row]), int(num_outputs[row]))
+            step_seeds[row] = step_seed(seeds[row], int(num_outputs[row]))
         return temperature, step_seeds
 
     def __call__(self, logits: torch.Tensor, seqs: list[ScheduledSequence],

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.core.batch import GrammarMask, ScheduledSequence
+from engine.core.batch import PLACEHOLDER_TOKEN, GrammarMask, ScheduledSequence
 from engine.core.request import EOS_TOKEN_ID, SamplingParams, StructuredOutputsParams
 from engine.worker import layers
 from engine.worker.layers import sanitized_log_softmax
+from engine.worker.model_runner import PlainDecode
 from engine.worker.sampler import Sampler, apply_penalties, sanitize
 
 VOCAB = 1000
@@ -400,3 +401,25 @@ def test_a_rows_gumbel_noise_depends_on_its_seed_alone_across_cpu_chunks():
     uniform = layers.hashed_uniform(seeds[:, None], cols)
     assert torch.equal(noise, -torch.log(-torch.log(uniform)))
     assert 0 < uniform.min() and uniform.max() < 1
+
+
+def test_a_continued_step_draws_at_the_seeds_its_rows_would_give():
+    """A continued decode step's draw inputs come from the last step's columns
+    (PlainDecode.continued, Sampler.continued_draw_inputs), not from its rows: the same
+    temperatures and seeds as draw_inputs over its rows, one output position on, the seeded
+    rows at their request's seed (of any size) and the others fresh from the generator."""
+    params = [SamplingParams(seed=2**70), SamplingParams(temperature=0.7),
+              SamplingParams(seed=-3, temperature=0.5)]
+    rows = [ScheduledSequence(f"r{i}", [PLACEHOLDER_TOKEN], 10, (0,), True, p, (), (), 4 + i, i)
+            for i, p in enumerate(params)]
+    last = PlainDecode.of(1, rows, Sampler(0).draw_inputs(rows))
+    src = np.array([2, 0, 1])
+    plain = last.continued(2, src)
+    temperature, seeds = Sampler(1).continued_draw_inputs(plain.temperature, plain.seeded,
+                                                          plain.seeds, plain.num_outputs)
+    next_rows = [ScheduledSequence(s.request_id, [PLACEHOLDER_TOKEN], 11, (0,), True, s.params,
+                                   (), (), s.num_output_tokens + 1, int(i))
+                 for i, s in zip(src, (rows[i] for i in src))]
+    want_temperature, want_seeds = Sampler(1).draw_inputs(next_rows)
+    assert temperature.tolist() == want_temperature.tolist()
+    assert seeds.tolist() == want_seeds.tolist()
