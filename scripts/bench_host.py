@@ -40,9 +40,8 @@ class NoOpRunner:
     the step's host inputs staged into arrays shaped like the CUDA graphs' pinned buffers,
     two decode mirrors taking turns; a decode step that continues the last one by row index,
     or is sent as a continuation, staged as ModelRunner._launch_plain_decode stages it) and
-    samples at once: a token that
-    changes with the step and the row, so detokenization sees varied text, and the logprobs
-    of rows that ask for them (a beam's step: its top 2B)."""
+    samples at once: a token that changes with the step and the row, so detokenization sees
+    varied text, and the logprobs of rows that ask for them (a beam's step: its top 2B)."""
 
     def __init__(self, config: EngineConfig):
         sched, block_size = config.scheduler, config.cache.block_size
