@@ -21,10 +21,11 @@ PLACEHOLDER_TOKEN in step N+1 (`prev_sample_row`: its row in N's samples), only 
 cannot end it by length, no penalty needs it, and it may not speculate; if the token ends it
 anyway, update drops N+1's work for it. A request that may speculate waits instead, and
 `apply_before_next` tells EngineCore to apply N before scheduling N+1. Drafts and lookahead
-blocks: docs/speculative.md, 3, 4, 8. When every running request decodes ahead (the steady
-decode step), `_decode_all_ahead` schedules them and update applies them (`_apply_ahead`)
-without the general loop's checks per row; when its rows are the step before's, or what
-remains of them, the step is sent as what changed (SchedulerOutput.continued).
+blocks: docs/speculative.md, 3, 4, 8. Running requests that decode ahead (the steady decode
+step; the leading ones, when a later one does not) are scheduled by `_decode_ahead_rows` and
+applied by update (`_apply_ahead`) without the general loop's checks per row; when they are
+the whole step and its rows are the step before's, or what remains of them, the step is sent
+as what changed (SchedulerOutput.continued).
 
 A beam search (engine/core/beam.py) runs its live beams as requests whose sampled token is
 ignored: update hands each beam's logprobs to its group, and once every live beam has
@@ -94,7 +95,7 @@ class _StepDraft:
     def __init__(self, now: float) -> None:
         self.now = now
         self.sequences: list[ScheduledSequence] = []
-        self.ahead: list[Request] = []  # its first rows' requests, if _decode_all_ahead's rows
+        self.ahead: list[Request] = []  # its first rows' requests, if _decode_ahead_rows'
         self.requests: dict[str, Request] = {}  # by id: update applies to these very requests
         self.sample_rows: dict[str, int] = {}  # request id -> its row in the step's samples
         self.num_tokens = 0
@@ -119,9 +120,9 @@ class Scheduler:
         self._step: _StepDraft | None = None  # the step schedule() is building
         self._step_id = 0
         self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
-        self._step_ahead: dict[int, list[Request]] = {}  # step id -> _decode_all_ahead's rows
+        self._step_ahead: dict[int, list[Request]] = {}  # step id -> _decode_ahead_rows'
         self._sample_rows: dict[str, int] = {}  # request id -> its row in the last step's samples
-        # the last step, if _decode_all_ahead's rows were the whole of it: its rows
+        # the last step, if _decode_ahead_rows' rows were the whole of it: its rows
         # (requests, by identity) and its requests by id
         self._run: list[Request] | None = None
         self._run_requests: dict[str, Request] = {}
@@ -219,8 +220,8 @@ class Scheduler:
                                continued=step.continued)
 
     def _note_run(self, step: _StepDraft) -> None:
-        """Keep the step's rows for the next step to continue (_decode_all_ahead), if they
-        were _decode_all_ahead's alone."""
+        """Keep the step's rows for the next step to continue (_decode_ahead_rows), if they
+        were _decode_ahead_rows' alone."""
         if step.continued is None and not (step.ahead
                                            and len(step.sequences) == len(step.ahead)):
             self._run = None
@@ -252,7 +253,7 @@ class Scheduler:
         """_add_to_step for requests decoding ahead of the step in flight (each at start ==
         num_tokens): a request's one new token is that step's sample, a placeholder, and it
         samples the next. One loop for a list, since a steady decode step adds every running
-        request here (_decode_all_ahead)."""
+        request here (_decode_ahead_rows)."""
         step, block_ids, last_rows = self._step, self.block_manager.block_ids, self._sample_rows
         sequences, sample_rows, step_requests = step.sequences, step.sample_rows, step.requests
         row = len(sample_rows)
@@ -277,30 +278,34 @@ class Scheduler:
                 and not request.params.needs_output_tokens
                 and not (self.speculator and self.speculator.may_speculate(request)))
 
-    def _decode_all_ahead(self) -> bool:
-        """The steady decode step, without the general loop's checks per row: if every running
-        request's next token is in flight and it may decode ahead of it (no speculator, no
-        beam search), each gets its placeholder row, as _schedule_running would give it one
-        row at a time, and True; a request whose token in flight is its last gets none (it
-        ends when that token is applied), as in the loop. Blocks are asked for only where a
-        row starts one; if one cannot be had, nothing is scheduled and False leaves the step
-        to the general loop, which preempts for it (the rows grown here keep their blocks:
-        growing is idempotent, and the loop grows the same rows in the same order). Rows
-        that continue the step before's are sent as a DecodeContinuation (_continue_run)."""
+    def _decode_ahead_rows(self) -> int:
+        """The steady decode step's rows, without the general loop's checks per row: running
+        requests, from the first, whose next token is in flight and that may decode ahead of
+        it (no speculator, no beam search) each get their placeholder row, as _schedule_running
+        would give them one row at a time; returns how many leading requests of `running` it
+        took, and the loop takes the rest (a prompt still being prefilled, say). A request
+        whose token in flight is its last gets no row (it ends when that token is applied), as
+        in the loop. Blocks are asked for only where a row starts one; if one cannot be had,
+        nothing is scheduled and 0 leaves the step to the loop, which preempts for it (the rows
+        grown here keep their blocks: growing is idempotent, and the loop grows the same rows
+        in the same order). Rows that are the whole step and continue the step before's are
+        sent as a DecodeContinuation (_continue_run)."""
         running, block_manager = self.running, self.block_manager
         if self.speculator is not None or self._beam_of or not running:
-            return False
+            return 0
         ending, starting_a_block, block_size = [], [], block_manager.block_size
+        taken = len(running)
         for row, request in enumerate(running):
             computed = request.num_computed_tokens + request.num_pending_tokens
             if not (request.num_pending_samples and computed == request.num_tokens
                     and not request.params.needs_output_tokens):
-                return False
+                taken = row
+                break
             if computed + 1 >= request.max_num_tokens:
                 ending.append(row)  # its token in flight is its last: it waits, as in the loop
             elif not computed % block_size:
                 starting_a_block.append(row)
-        rows = running.copy()
+        rows = running[:taken]
         if ending:  # rows renumbered without them
             for row in reversed(ending):
                 del rows[row]
@@ -308,8 +313,8 @@ class Scheduler:
         grow = block_manager.grow
         if not rows or not all(grow(rows[row].request_id, rows[row].num_tokens + 1)
                                for row in starting_a_block):
-            return False
-        src = self._rows_continued(rows)
+            return 0
+        src = self._rows_continued(rows) if taken == len(running) else False
         if src is False:
             self._add_decode_ahead(rows)
         else:
@@ -317,13 +322,13 @@ class Scheduler:
             self._continue_run(rows, src, [(row, block_ids(rows[row].request_id)[-1])
                                            for row in starting_a_block])
         self._step.ahead = rows
-        return True
+        return taken
 
     def _rows_continued(self, rows: list[Request]) -> tuple[int, ...] | None | bool:
         """The rows of the step before that `rows` continue, in order: None if all of them;
         False if some row continues none, or a request may be admitted after them. `rows`
         are what remains of the run's rows: between two schedules requests only end (in
-        update, or by abort), and none is admitted before _decode_all_ahead."""
+        update, or by abort), and none is admitted before _decode_ahead_rows."""
         run = self._run
         if run is None or (self.waiting and len(self.running) < self.config.max_num_seqs):
             return False
@@ -354,9 +359,9 @@ class Scheduler:
     def _schedule_running(self, budget: int, preempted: list[str]) -> int:
         """Victims come from the tail of `running`, never before i, so no request scheduled
         here is preempted afterwards."""
-        if len(self.running) <= budget and self._decode_all_ahead():
-            return budget - len(self._step.ahead)
-        i, running, block_size = 0, self.running, self.block_manager.block_size
+        i = self._decode_ahead_rows() if len(self.running) <= budget else 0
+        budget -= len(self._step.ahead)
+        running, block_size = self.running, self.block_manager.block_size
         while i < len(running) and budget > 0:
             request = running[i]
             computed = request.num_computed_tokens + request.num_pending_tokens
@@ -537,7 +542,7 @@ class Scheduler:
 
     def _apply_ahead(self, ahead: list[Request], tokens: list[int], now: float,
                      changed: list[Request]) -> None:
-        """update() for a step's first rows, those _decode_all_ahead scheduled (its first
+        """update() for a step's first rows, those _decode_ahead_rows scheduled (its first
         samples, in order): update's one-token decode path (_computed, then _append) without
         its checks per row, and inlined, calling out only past a block boundary, at a stop
         token or at the length bound. A row's token is never its first (the step before

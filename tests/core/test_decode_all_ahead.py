@@ -1,4 +1,4 @@
-"""The scheduler's steady decode step (Scheduler._decode_all_ahead and, in update,
+"""The scheduler's steady decode step (Scheduler._decode_ahead_rows and, in update,
 _apply_ahead) against the general loop it shortcuts: the same random workload through an
 EngineCore scheduling ahead, once as it is and once with the shortcut off, must schedule the
 same steps row for row and report the same tokens and ends. The workload mixes what stops
@@ -76,15 +76,16 @@ def _run(seed: int, num_blocks: int, block_size: int, max_seqs: int, budget: int
 
 
 def _count_shortcuts(scheduler: Scheduler) -> list[int]:
-    """[steps whose running rows _decode_all_ahead scheduled], kept up to date."""
-    count, decode_all_ahead = [0], scheduler._decode_all_ahead
+    """[steps whose running rows _decode_ahead_rows scheduled, all or the leading ones], kept
+    up to date."""
+    count, decode_ahead_rows = [0], scheduler._decode_ahead_rows
 
-    def counted() -> bool:
-        took = decode_all_ahead()
-        count[0] += took
-        return took
+    def counted() -> int:
+        taken = decode_ahead_rows()
+        count[0] += taken > 0
+        return taken
 
-    scheduler._decode_all_ahead = counted
+    scheduler._decode_ahead_rows = counted
     return count
 
 
@@ -95,13 +96,13 @@ def _count_shortcuts(scheduler: Scheduler) -> list[int]:
 def test_steady_decode_steps_match_the_general_loop(seed, num_blocks, block_size, max_seqs,
                                                     budget):
     steps, reported, shortcuts, _ = _run(seed, num_blocks, block_size, max_seqs, budget)
-    original = Scheduler._decode_all_ahead
-    Scheduler._decode_all_ahead = lambda self: False
+    original = Scheduler._decode_ahead_rows
+    Scheduler._decode_ahead_rows = lambda self: 0
     try:
         steps_off, reported_off, shortcuts_off, continued_off = _run(
             seed, num_blocks, block_size, max_seqs, budget)
     finally:
-        Scheduler._decode_all_ahead = original
+        Scheduler._decode_ahead_rows = original
     assert shortcuts_off == continued_off == 0
     assert steps == steps_off
     assert reported == reported_off
@@ -109,7 +110,7 @@ def test_steady_decode_steps_match_the_general_loop(seed, num_blocks, block_size
 
 def test_a_steady_decode_batch_takes_the_shortcut_every_step():
     """256 sequences decoding side by side: every token after a sequence's first (its
-    prefill's) is sampled by a step whose rows _decode_all_ahead scheduled, across block
+    prefill's) is sampled by a step whose rows _decode_ahead_rows scheduled, across block
     boundaries too, and every such step after the first is sent as a continuation."""
     batch, max_tokens = 256, 48
     config = EngineConfig.from_flat(max_num_seqs=batch, num_kv_blocks=batch * 8, block_size=16,
