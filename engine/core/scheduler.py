@@ -151,6 +151,8 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)  # by identity: at most max_num_seqs entries
+            if not self.running:  # no run left to continue: hold no ended request
+                self._run, self._run_requests = None, {}
         else:  # waiting, or preempted back into the queue
             self.waiting.remove(request_id)
         request.status = status

@@ -4,7 +4,9 @@ EngineCore scheduling ahead, once as it is and once with the shortcut off, must 
 same steps row for row and report the same tokens and ends. The workload mixes what stops
 the shortcut (length ends, stop tokens, min_tokens, penalties, preemptions, aborts,
 arrivals)."""
+import gc
 import random
+import weakref
 from dataclasses import astuple
 
 from hypothesis import given, settings
@@ -146,3 +148,20 @@ def test_rows_ending_by_length_leave_the_run_without_breaking_it():
         core.step()
     assert runner.continued == len(runner.steps) - 2  # all but the prefill and the first decode
     assert sum(src is not None for src in kept) > 5
+
+
+def test_a_finished_workload_leaves_no_request_behind():
+    """The scheduler keeps the last run's rows to continue them; once every request has
+    ended it holds none of them (nor their tokens)."""
+    config = EngineConfig.from_flat(max_num_seqs=8, num_kv_blocks=64, block_size=4,
+                                    async_scheduling=True)
+    core = EngineCore(config, PipelinedFakeRunner(64, 4))
+    for i in range(8):
+        params = SamplingParams(max_tokens=12, ignore_eos=True, output_kind="final_only")
+        core.add(CoreRequest(f"s{i}", [i, 1, 2], params, 0.0))
+    requests = []
+    while core.scheduler.has_unfinished():
+        requests += [weakref.ref(r) for r in core.scheduler.running]
+        core.step()
+    gc.collect()
+    assert requests and not [ref for ref in requests if ref() is not None]
