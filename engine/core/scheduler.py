@@ -122,10 +122,9 @@ class Scheduler:
         self._step_requests: dict[int, dict[str, Request]] = {}  # step id -> requests, until update
         self._step_ahead: dict[int, list[Request]] = {}  # step id -> _decode_ahead_rows'
         self._sample_rows: dict[str, int] = {}  # request id -> its row in the last step's samples
-        # the last step, if _decode_ahead_rows' rows were the whole of it: its rows
-        # (requests, by identity) and its requests by id
+        # the last step's rows (requests, by identity), if _decode_ahead_rows' were the whole
+        # of it
         self._run: list[Request] | None = None
-        self._run_requests: dict[str, Request] = {}
         self.beam_searches: dict[str, BeamGroup] = {}  # by group id, until they end
         self.finished_beam_searches: list[BeamGroup] = []  # ended, for EngineCore to report
         self._beam_of: dict[str, BeamGroup] = {}  # live beam id -> its group; empty: no search
@@ -152,7 +151,7 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)  # by identity: at most max_num_seqs entries
             if not self.running:  # no run left to continue: hold no ended request
-                self._run, self._run_requests = None, {}
+                self._run = None
         else:  # waiting, or preempted back into the queue
             self.waiting.remove(request_id)
         request.status = status
@@ -224,11 +223,9 @@ class Scheduler:
     def _note_run(self, step: _StepDraft) -> None:
         """Keep the step's rows for the next step to continue (_decode_ahead_rows), if they
         were _decode_ahead_rows' alone."""
-        if step.continued is None and not (step.ahead
-                                           and len(step.sequences) == len(step.ahead)):
-            self._run = None
-            return
-        self._run, self._run_requests = step.ahead, step.requests
+        whole = step.continued is not None or (step.ahead
+                                               and len(step.sequences) == len(step.ahead))
+        self._run = step.ahead if whole else None
 
     def _add_to_step(self, request: Request, start: int, num_new: int,
                      drafts: list[int]) -> None:
@@ -343,13 +340,15 @@ class Scheduler:
                       new_blocks: list[tuple[int, int]]) -> None:
         """_add_decode_ahead for `rows`, which continue rows `src` of the step before (None:
         all of them), sent as what changed (DecodeContinuation): only `new_blocks` are new,
-        and the rows of the step before are reused where every one continues."""
+        and the rows of the step before are reused where every one continues (its requests
+        by id are still kept for its update: a continued run's rows decode ahead of it)."""
         step = self._step
         for request in rows:
             request.num_pending_tokens += 1
             request.num_pending_samples += 1
         if src is None:
-            step.requests, step.sample_rows = self._run_requests, self._sample_rows
+            step.requests = self._step_requests[self._step_id]
+            step.sample_rows = self._sample_rows
             request_ids = list(self._sample_rows)
         else:
             request_ids = list(map(_request_id, rows))
